@@ -1,0 +1,122 @@
+"""CPU device setup, meshes and the parallelism plan.
+
+Mesh axes (always these words, in this order):
+  ``data``  -- the batch; FSDP/ZeRO also split params and optimizer state over it.
+  ``seq``   -- tokens (ring attention, Ulysses, their hybrid).
+  ``model`` -- attention heads and the MLP hidden width (tensor parallelism, Megatron-SP).
+
+Any axis may have size 1. Meshes use ``AxisType.Auto`` so ``shard_map`` accepts arrays placed
+with plain ``NamedSharding``s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+AXES = ("data", "seq", "model")
+SP_MODES = ("none", "megatron", "ring", "ulysses", "usp")
+
+
+class PlanError(ValueError):
+    """A plan that cannot work on the given mesh, model or batch (one sentence says why)."""
+
+
+def set_cpu_devices(n: int) -> None:
+    """Makes the CPU backend expose ``n`` devices. Call before anything touches a JAX backend."""
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError as err:  # the backend already exists
+        have = len(jax.devices("cpu"))
+        if have < n:
+            raise PlanError(
+                f"Cannot create {n} CPU devices: the JAX backend already started with {have}; "
+                "call shardkit.set_cpu_devices before any other JAX call."
+            ) from err
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """Parses ``"data=2,model=4"`` into ``{"data": 2, "seq": 1, "model": 4}``."""
+    shape = dict.fromkeys(AXES, 1)
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, eq, size = part.partition("=")
+        if not eq or not size.strip().isdigit() or int(size) < 1:
+            raise PlanError(f"Mesh entry {part!r} is not of the form axis=positive_integer.")
+        if name.strip() not in AXES:
+            raise PlanError(f"Unknown mesh axis {name.strip()!r}; axes are {', '.join(AXES)}.")
+        shape[name.strip()] = int(size)
+    return shape
+
+
+def make_mesh(
+    shape: dict[str, int] | None = None, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
+    """A ``data × seq × model`` mesh (Auto axes) over the first prod(shape) devices.
+
+    Args:
+      shape: axis sizes, e.g. ``{"data": 2, "model": 4}``; omitted axes are 1.
+      devices: the devices to use (default ``jax.devices()``); prod(shape) of them are taken.
+    """
+    shape = {**dict.fromkeys(AXES, 1), **(shape or {})}
+    unknown = sorted(set(shape) - set(AXES))
+    if unknown:
+        raise PlanError(f"Unknown mesh axis {unknown[0]!r}; axes are {', '.join(AXES)}.")
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = tuple(shape[a] for a in AXES)
+    need = math.prod(sizes)
+    if need > len(devices):
+        raise PlanError(
+            f"Mesh {format_mesh(shape)} needs {need} devices but only {len(devices)} are available."
+        )
+    grid = np.asarray(devices[:need], dtype=object).reshape(sizes)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def format_mesh(shape: dict[str, int]) -> str:
+    return ",".join(f"{a}={shape.get(a, 1)}" for a in AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How a model is parallelised: mesh shape and the strategy on each axis.
+
+    Attributes:
+      mesh: axis sizes ``{"data": A, "seq": B, "model": C}``.
+      sp: sequence-parallel mode: none, megatron (over ``model``), ring, ulysses or usp (over
+        ``seq``).
+      ulysses: the Ulysses factor of the ``seq`` axis for ``sp="usp"`` (None: chosen
+        automatically).
+      fsdp: split params (and optimizer state) over ``data``; gather before use (ZeRO-3).
+      remat: recompute each block in backward; with FSDP the gathered weights are then not
+        kept but gathered again.
+    """
+
+    mesh: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(AXES, 1))
+    sp: str = "none"
+    ulysses: int | None = None
+    fsdp: bool = False
+    remat: bool = False
+
+    def __post_init__(self) -> None:
+        full = {**dict.fromkeys(AXES, 1), **self.mesh}
+        unknown = sorted(set(full) - set(AXES))
+        if unknown:
+            raise PlanError(f"Unknown mesh axis {unknown[0]!r}; axes are {', '.join(AXES)}.")
+        for axis, size in full.items():
+            if not isinstance(size, int) or size < 1:
+                raise PlanError(f"Mesh axis {axis} must have a positive integer size, got {size!r}.")
+        object.__setattr__(self, "mesh", full)
+        if self.sp not in SP_MODES:
+            raise PlanError(f"Unknown sp mode {self.sp!r}; choose one of {', '.join(SP_MODES)}.")
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.mesh.values())
+
+    def size(self, axis: str) -> int:
+        return self.mesh[axis]

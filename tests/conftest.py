@@ -1,0 +1,20 @@
+"""Test setup: 8 CPU devices before any backend exists, strict numerics, hypothesis profiles.
+
+Profiles: ``ci`` (default; derandomized, fixed example counts, no deadline) keeps the suite
+inside CI's budget; ``thorough`` runs many more examples:
+``HYPOTHESIS_PROFILE=thorough python -m pytest``.
+"""
+
+import os
+
+import jax
+from hypothesis import HealthCheck, settings
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", max_examples=6, derandomize=True, print_blob=True, **_common)
+settings.register_profile("thorough", max_examples=100, print_blob=True, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

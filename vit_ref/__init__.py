@@ -1,0 +1,29 @@
+"""vit_ref: the unsharded reference Vision Transformer (big_vision-compatible, plain JAX)."""
+
+from vit_ref.config import VARIANT_NAMES, ViTConfig, variant
+from vit_ref.model import Params, forward, init, param_axes, posemb_sincos2d
+from vit_ref.train import (
+    accuracy,
+    cross_entropy,
+    loss_fn,
+    make_eval_step,
+    make_optimizer,
+    make_train_step,
+)
+
+__all__ = [
+    "VARIANT_NAMES",
+    "Params",
+    "ViTConfig",
+    "accuracy",
+    "cross_entropy",
+    "forward",
+    "init",
+    "loss_fn",
+    "make_eval_step",
+    "make_optimizer",
+    "make_train_step",
+    "param_axes",
+    "posemb_sincos2d",
+    "variant",
+]

@@ -1,0 +1,270 @@
+"""The reference Vision Transformer: init and forward in plain JAX arrays.
+
+Architecture-compatible with big_vision's ``models/vit.py`` (same parameter shapes, inits and
+numerics). This is the unsharded twin of everything in ``shardkit``.
+
+Dimension alphabet (used in every einsum and shape comment of the project):
+  b batch, t tokens (q query tokens, s key tokens), d width, h heads, k head dim,
+  f MLP hidden, p patch features (patch * patch * channels), o output classes, l layers.
+
+Params are a nested dict of arrays. Per-layer params are stacked along a leading ``l`` axis and
+the blocks run under ``lax.scan``. ``param_axes`` gives, for every leaf, its logical axis names;
+sharded code maps those names to mesh axes in one rules table instead of scattering specs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import einops
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from vit_ref.config import ViTConfig
+
+Params = dict[str, Any]
+LN_EPS = 1e-6
+
+_xavier = jax.nn.initializers.xavier_uniform()
+_lecun = jax.nn.initializers.lecun_normal()
+
+
+def compute_dtype(cfg: ViTConfig) -> jnp.dtype:
+    return jnp.dtype(cfg.dtype)
+
+
+# ----------------------------------------------------------------------------- init
+
+
+def init(key: jax.Array, cfg: ViTConfig) -> Params:
+    """Draws fresh float32 params for ``cfg`` (deterministic in ``key``)."""
+    k_embed, k_pos, k_blocks, k_head = jax.random.split(key, 4)
+    d = cfg.dim
+    params: Params = {
+        "embedding": {
+            "kernel": _lecun(k_embed, (cfg.patch_features, d), jnp.float32),
+            "bias": jnp.zeros((d,), jnp.float32),
+        },
+    }
+    if cfg.posemb == "learn":
+        std = 1.0 / np.sqrt(d)
+        params["pos_embedding"] = std * jax.random.normal(k_pos, (1, cfg.num_patches, d))
+    if cfg.pool == "tok":
+        params["cls"] = jnp.zeros((1, 1, d), jnp.float32)
+    params["blocks"] = jax.vmap(lambda k: _init_block(k, cfg))(jax.random.split(k_blocks, cfg.depth))
+    params["encoder_norm"] = _init_layer_norm(d)
+    params["head"] = _init_head(k_head, cfg)
+    return params
+
+
+def _init_layer_norm(d: int) -> Params:
+    return {"scale": jnp.ones((d,), jnp.float32), "bias": jnp.zeros((d,), jnp.float32)}
+
+
+def _init_block(key: jax.Array, cfg: ViTConfig) -> Params:
+    kq, kk, kv, ko, k1, k2, kb1, kb2 = jax.random.split(key, 8)
+    d, h, k, f = cfg.dim, cfg.heads, cfg.head_dim, cfg.mlp_dim
+
+    def proj_in(key: jax.Array) -> Params:
+        # flax DenseGeneral draws the kernel flat [d, h*k], then reshapes.
+        kernel = _xavier(key, (d, h * k), jnp.float32).reshape(d, h, k)
+        return {"kernel": kernel, "bias": jnp.zeros((h, k), jnp.float32)}
+
+    return {
+        "ln1": _init_layer_norm(d),
+        "attn": {
+            "query": proj_in(kq),
+            "key": proj_in(kk),
+            "value": proj_in(kv),
+            "out": {
+                "kernel": _xavier(ko, (h * k, d), jnp.float32).reshape(h, k, d),
+                "bias": jnp.zeros((d,), jnp.float32),
+            },
+        },
+        "ln2": _init_layer_norm(d),
+        "mlp": {
+            "fc1": {
+                "kernel": _xavier(k1, (d, f), jnp.float32),
+                "bias": 1e-6 * jax.random.normal(kb1, (f,)),
+            },
+            "fc2": {
+                "kernel": _xavier(k2, (f, d), jnp.float32),
+                "bias": 1e-6 * jax.random.normal(kb2, (d,)),
+            },
+        },
+    }
+
+
+def _init_head(key: jax.Array, cfg: ViTConfig) -> Params:
+    shape = (cfg.dim, cfg.classes)
+    kernel = jnp.zeros(shape) if cfg.head_zeroinit else _xavier(key, shape, jnp.float32)
+    return {"kernel": kernel, "bias": jnp.zeros((cfg.classes,), jnp.float32)}
+
+
+def param_axes(cfg: ViTConfig) -> Params:
+    """Logical axis names of every param leaf (same tree structure as ``init``)."""
+    ln = {"scale": ("embed",), "bias": ("embed",)}
+    stacked = lambda tree: jax.tree.map(  # noqa: E731
+        lambda names: ("layers", *names), tree, is_leaf=lambda x: isinstance(x, tuple)
+    )
+    proj_in = {"kernel": ("embed", "heads", "head_dim"), "bias": ("heads", "head_dim")}
+    block = {
+        "ln1": ln,
+        "attn": {
+            "query": proj_in,
+            "key": proj_in,
+            "value": proj_in,
+            "out": {"kernel": ("heads", "head_dim", "embed"), "bias": ("embed",)},
+        },
+        "ln2": ln,
+        "mlp": {
+            "fc1": {"kernel": ("embed", "mlp"), "bias": ("mlp",)},
+            "fc2": {"kernel": ("mlp", "embed"), "bias": ("embed",)},
+        },
+    }
+    axes: Params = {"embedding": {"kernel": ("patch_in", "embed"), "bias": ("embed",)}}
+    if cfg.posemb == "learn":
+        axes["pos_embedding"] = (None, "tokens", "embed")
+    if cfg.pool == "tok":
+        axes["cls"] = (None, None, "embed")
+    axes["blocks"] = stacked(block)
+    axes["encoder_norm"] = ln
+    axes["head"] = {"kernel": ("embed", "classes"), "bias": ("classes",)}
+    return axes
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def posemb_sincos2d(grid: int, dim: int, temperature: float = 10_000.0) -> np.ndarray:
+    """big_vision's fixed 2-D sin-cos position embedding, shape [1, grid*grid, dim]."""
+    y, x = np.mgrid[:grid, :grid]
+    omega = np.arange(dim // 4) / (dim // 4 - 1)
+    omega = 1.0 / (temperature**omega)
+    y = np.einsum("m,d->md", y.flatten(), omega)
+    x = np.einsum("m,d->md", x.flatten(), omega)
+    pe = np.concatenate([np.sin(x), np.cos(x), np.sin(y), np.cos(y)], axis=1)
+    return pe[None].astype(np.float32)
+
+
+def layer_norm(x: Float[Array, "... d"], p: Params) -> Float[Array, "... d"]:
+    """LayerNorm over the last axis in float32 (eps 1e-6); returns x's dtype."""
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + LN_EPS) * p["scale"] + p["bias"]
+    return y.astype(x.dtype)
+
+
+def dense(x: Array, p: Params, spec: str, dtype: jnp.dtype) -> Array:
+    """``einsum(spec, x, kernel) + bias`` computed in ``dtype``."""
+    y = jnp.einsum(spec, x.astype(dtype), p["kernel"].astype(dtype))
+    return y + p["bias"].astype(dtype)
+
+
+def gelu(x: Array) -> Array:
+    """GELU, tanh approximation (flax's ``nn.gelu`` default)."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+def attention_core(
+    q: Float[Array, "b q h k"],
+    k: Float[Array, "b s h k"],
+    v: Float[Array, "b s h k"],
+    key_mask: Float[Array, "b s"] | None = None,
+) -> Float[Array, "b q h k"]:
+    """Softmax(q kᵀ / sqrt(k)) v with float32 logits and softmax; masked keys get zero weight."""
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) * scale
+    if key_mask is not None:
+        logits = jnp.where(key_mask[:, None, None, :], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqs,bshk->bqhk", probs, v)
+
+
+def self_attention(x: Float[Array, "b t d"], p: Params, dtype: jnp.dtype) -> Float[Array, "b t d"]:
+    """Multi-head self-attention with q, k, v and out projections (all with biases)."""
+    q = dense(x, p["query"], "btd,dhk->bthk", dtype)
+    k = dense(x, p["key"], "btd,dhk->bthk", dtype)
+    v = dense(x, p["value"], "btd,dhk->bthk", dtype)
+    o = attention_core(q, k, v)
+    return dense(o, p["out"], "bthk,hkd->btd", dtype)
+
+
+def mlp(x: Float[Array, "b t d"], p: Params, dtype: jnp.dtype) -> Float[Array, "b t d"]:
+    """Dense -> GELU (tanh) -> dense."""
+    y = gelu(dense(x, p["fc1"], "btd,df->btf", dtype))
+    return dense(y, p["fc2"], "btf,fd->btd", dtype)
+
+
+def block(x: Float[Array, "b t d"], p: Params, dtype: jnp.dtype) -> Float[Array, "b t d"]:
+    """Pre-LN encoder block; the residual stream stays float32."""
+    x = x + self_attention(layer_norm(x, p["ln1"]), p["attn"], dtype).astype(x.dtype)
+    return x + mlp(layer_norm(x, p["ln2"]), p["mlp"], dtype).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def patchify(images: Float[Array, "b H W c"], patch: int) -> Float[Array, "b t p"]:
+    """Non-overlapping patches, flattened (row, col, channel) like a conv kernel [p, p, c, d]."""
+    return einops.rearrange(images, "b (gh ph) (gw pw) c -> b (gh gw) (ph pw c)", ph=patch, pw=patch)
+
+
+def embed(params: Params, images: Float[Array, "b H W c"], cfg: ViTConfig) -> Float[Array, "b t d"]:
+    """Patch embedding + position embedding, then the class token for ``pool='tok'`` (fp32)."""
+    if images.ndim != 4 or images.shape[1:] != (cfg.image, cfg.image, cfg.channels):
+        raise ValueError(
+            f"images must have shape [b, {cfg.image}, {cfg.image}, {cfg.channels}] (NHWC), "
+            f"got {tuple(images.shape)}."
+        )
+    dtype = compute_dtype(cfg)
+    x = dense(patchify(images, cfg.patch), params["embedding"], "btp,pd->btd", dtype)
+    x = x.astype(jnp.float32) + position_embedding(params, cfg)
+    if cfg.pool == "tok":
+        cls = jnp.broadcast_to(params["cls"], (x.shape[0], 1, cfg.dim))
+        x = jnp.concatenate([cls, x], axis=1)
+    return x
+
+
+def position_embedding(params: Params, cfg: ViTConfig) -> Float[Array, "1 t d"]:
+    if cfg.posemb == "learn":
+        return params["pos_embedding"]
+    return jnp.asarray(posemb_sincos2d(cfg.grid, cfg.dim))
+
+
+def pool(x: Float[Array, "b t d"], cfg: ViTConfig) -> Float[Array, "b d"]:
+    return x[:, 0] if cfg.pool == "tok" else x.mean(axis=1)
+
+
+def forward(
+    params: Params, images: Float[Array, "b H W c"], cfg: ViTConfig
+) -> tuple[Float[Array, "b o"], dict[str, Array]]:
+    """Logits and named intermediates.
+
+    Args:
+      params: a pytree from ``init(key, cfg)``.
+      images: float images, shape [b, image, image, channels] (NHWC).
+      cfg: the model config.
+
+    Returns:
+      logits of shape [b, classes] (float32), and a dict with ``embedding`` [b, t, d],
+      ``block_{i}`` [b, t, d] for each layer i, ``encoded`` [b, t, d] (after the final norm) and
+      ``pre_logits`` [b, d] (pooled features).
+    """
+    dtype = compute_dtype(cfg)
+    x = embed(params, images, cfg)
+    inter: dict[str, Array] = {"embedding": x}
+
+    def scan_body(x: Array, p: Params) -> tuple[Array, Array]:
+        x = block(x, p, dtype)
+        return x, x
+
+    x, per_layer = jax.lax.scan(scan_body, x, params["blocks"])
+    inter.update({f"block_{i}": per_layer[i] for i in range(cfg.depth)})
+    x = inter["encoded"] = layer_norm(x, params["encoder_norm"])
+    x = inter["pre_logits"] = pool(x, cfg)
+    logits = dense(x, params["head"], "bd,do->bo", dtype).astype(jnp.float32)
+    return logits, inter

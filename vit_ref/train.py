@@ -1,0 +1,66 @@
+"""Loss, accuracy and the unsharded optax train / eval steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Float, Int
+
+from vit_ref.config import ViTConfig
+from vit_ref.model import Params, forward
+
+TrainStep = Callable[[Params, Any, Array, Array], tuple[Params, Any, dict[str, Array]]]
+
+
+def cross_entropy(logits: Float[Array, "b o"], labels: Int[Array, " b"]) -> Float[Array, ""]:
+    """Mean softmax cross-entropy with integer labels, in float32."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    return losses.mean()
+
+
+def accuracy(logits: Float[Array, "b o"], labels: Int[Array, " b"]) -> Float[Array, ""]:
+    return (logits.argmax(-1) == labels).astype(jnp.float32).mean()
+
+
+def loss_fn(
+    params: Params, images: Float[Array, "b H W c"], labels: Int[Array, " b"], cfg: ViTConfig
+) -> Float[Array, ""]:
+    """The training objective: cross-entropy of the reference forward."""
+    logits, _ = forward(params, images, cfg)
+    return cross_entropy(logits, labels)
+
+
+def make_optimizer(
+    learning_rate: float = 1e-3, weight_decay: float = 1e-4
+) -> optax.GradientTransformation:
+    """AdamW, the optimizer shared by the reference and every sharded train step."""
+    return optax.adamw(learning_rate, weight_decay=weight_decay)
+
+
+def make_train_step(cfg: ViTConfig, optimizer: optax.GradientTransformation) -> TrainStep:
+    """A jitted step ``(params, opt_state, images, labels) -> (params, opt_state, metrics)``.
+
+    params and opt_state are donated: pass fresh copies if you still need the old ones.
+    """
+
+    def step(params: Params, opt_state: Any, images: Array, labels: Array):
+        loss, grads = jax.value_and_grad(loss_fn)(params, images, labels, cfg)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {"loss": loss}
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_eval_step(cfg: ViTConfig) -> Callable[[Params, Array, Array], dict[str, Array]]:
+    """A jitted ``(params, images, labels) -> {"loss", "accuracy"}``."""
+
+    def step(params: Params, images: Array, labels: Array) -> dict[str, Array]:
+        logits, _ = forward(params, images, cfg)
+        return {"loss": cross_entropy(logits, labels), "accuracy": accuracy(logits, labels)}
+
+    return jax.jit(step)
