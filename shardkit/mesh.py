@@ -109,7 +109,9 @@ class Plan:
             raise PlanError(f"Unknown mesh axis {unknown[0]!r}; axes are {', '.join(AXES)}.")
         for axis, size in full.items():
             if not isinstance(size, int) or size < 1:
-                raise PlanError(f"Mesh axis {axis} must have a positive integer size, got {size!r}.")
+                raise PlanError(
+                    f"Mesh axis {axis} must have a positive integer size, got {size!r}."
+                )
         object.__setattr__(self, "mesh", full)
         if self.sp not in SP_MODES:
             raise PlanError(f"Unknown sp mode {self.sp!r}; choose one of {', '.join(SP_MODES)}.")

@@ -117,7 +117,7 @@ def variant(name: str, **overrides: Any) -> ViTConfig:
     base, _, patch = name.partition("/")
     if base not in VARIANTS or (base == "mu") != (patch == "") or (patch and not patch.isdigit()):
         raise ValueError(f"Unknown ViT variant {name!r}; choose one of {', '.join(VARIANT_NAMES)}.")
-    fields = dict(VARIANTS[base])
+    fields: dict[str, Any] = dict(VARIANTS[base])
     if base == "mu":
         fields.update(image=32, patch=8, classes=10)
     else:

@@ -31,8 +31,18 @@ _xavier = jax.nn.initializers.xavier_uniform()
 _lecun = jax.nn.initializers.lecun_normal()
 
 
-def compute_dtype(cfg: ViTConfig) -> jnp.dtype:
-    return jnp.dtype(cfg.dtype)
+def compute_dtype(cfg: ViTConfig) -> jnp.dtype | None:
+    """bfloat16 for bf16 compute; None (keep the params' dtype) for float32."""
+    return jnp.dtype(jnp.bfloat16) if cfg.dtype == "bfloat16" else None
+
+
+def at_least_f32(dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype for softmax, LayerNorm and loss: float32, or wider if the input is wider."""
+    return jnp.dtype(jnp.float64 if dtype == jnp.float64 else jnp.float32)
+
+
+def cast(x: Array, dtype: jnp.dtype | None) -> Array:
+    return x if dtype is None else x.astype(dtype)
 
 
 # ----------------------------------------------------------------------------- init
@@ -53,7 +63,9 @@ def init(key: jax.Array, cfg: ViTConfig) -> Params:
         params["pos_embedding"] = std * jax.random.normal(k_pos, (1, cfg.num_patches, d))
     if cfg.pool == "tok":
         params["cls"] = jnp.zeros((1, 1, d), jnp.float32)
-    params["blocks"] = jax.vmap(lambda k: _init_block(k, cfg))(jax.random.split(k_blocks, cfg.depth))
+    params["blocks"] = jax.vmap(lambda k: _init_block(k, cfg))(
+        jax.random.split(k_blocks, cfg.depth)
+    )
     params["encoder_norm"] = _init_layer_norm(d)
     params["head"] = _init_head(k_head, cfg)
     return params
@@ -151,17 +163,27 @@ def posemb_sincos2d(grid: int, dim: int, temperature: float = 10_000.0) -> np.nd
 
 def layer_norm(x: Float[Array, "... d"], p: Params) -> Float[Array, "... d"]:
     """LayerNorm over the last axis in float32 (eps 1e-6); returns x's dtype."""
-    x32 = x.astype(jnp.float32)
+    x32 = x.astype(at_least_f32(x.dtype))
     mean = x32.mean(-1, keepdims=True)
     var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-    y = (x32 - mean) * jax.lax.rsqrt(var + LN_EPS) * p["scale"] + p["bias"]
-    return y.astype(x.dtype)
+    y = (x32 - mean) * jax.lax.rsqrt(var + LN_EPS)
+    return add_bias(y * expand_to(p["scale"], y), p["bias"]).astype(x.dtype)
 
 
-def dense(x: Array, p: Params, spec: str, dtype: jnp.dtype) -> Array:
-    """``einsum(spec, x, kernel) + bias`` computed in ``dtype``."""
-    y = jnp.einsum(spec, x.astype(dtype), p["kernel"].astype(dtype))
-    return y + p["bias"].astype(dtype)
+def dense(x: Array, p: Params, spec: str, dtype: jnp.dtype | None) -> Array:
+    """``einsum(spec, x, kernel) + bias`` computed in ``dtype`` (None: the inputs' dtype)."""
+    y = jnp.einsum(spec, cast(x, dtype), cast(p["kernel"], dtype))
+    return add_bias(y, cast(p["bias"], dtype))
+
+
+def expand_to(b: Array, y: Array) -> Array:
+    """``b`` with leading unit axes added to match ``y``'s rank (explicit broadcasting)."""
+    return b.reshape((1,) * (y.ndim - b.ndim) + b.shape)
+
+
+def add_bias(y: Array, b: Array) -> Array:
+    """``y + b`` with ``b`` broadcast over ``y``'s leading axes."""
+    return y + expand_to(b, y)
 
 
 def gelu(x: Array) -> Array:
@@ -177,14 +199,17 @@ def attention_core(
 ) -> Float[Array, "b q h k"]:
     """Softmax(q kᵀ / sqrt(k)) v with float32 logits and softmax; masked keys get zero weight."""
     scale = 1.0 / np.sqrt(q.shape[-1])
-    logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) * scale
+    wide = at_least_f32(q.dtype)
+    logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=wide) * scale
     if key_mask is not None:
-        logits = jnp.where(key_mask[:, None, None, :], logits, jnp.finfo(jnp.float32).min)
+        logits = jnp.where(key_mask[:, None, None, :], logits, jnp.finfo(wide).min / 2)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     return jnp.einsum("bhqs,bshk->bqhk", probs, v)
 
 
-def self_attention(x: Float[Array, "b t d"], p: Params, dtype: jnp.dtype) -> Float[Array, "b t d"]:
+def self_attention(
+    x: Float[Array, "b t d"], p: Params, dtype: jnp.dtype | None
+) -> Float[Array, "b t d"]:
     """Multi-head self-attention with q, k, v and out projections (all with biases)."""
     q = dense(x, p["query"], "btd,dhk->bthk", dtype)
     k = dense(x, p["key"], "btd,dhk->bthk", dtype)
@@ -193,14 +218,14 @@ def self_attention(x: Float[Array, "b t d"], p: Params, dtype: jnp.dtype) -> Flo
     return dense(o, p["out"], "bthk,hkd->btd", dtype)
 
 
-def mlp(x: Float[Array, "b t d"], p: Params, dtype: jnp.dtype) -> Float[Array, "b t d"]:
+def mlp(x: Float[Array, "b t d"], p: Params, dtype: jnp.dtype | None) -> Float[Array, "b t d"]:
     """Dense -> GELU (tanh) -> dense."""
     y = gelu(dense(x, p["fc1"], "btd,df->btf", dtype))
     return dense(y, p["fc2"], "btf,fd->btd", dtype)
 
 
-def block(x: Float[Array, "b t d"], p: Params, dtype: jnp.dtype) -> Float[Array, "b t d"]:
-    """Pre-LN encoder block; the residual stream stays float32."""
+def block(x: Float[Array, "b t d"], p: Params, dtype: jnp.dtype | None) -> Float[Array, "b t d"]:
+    """Pre-LN encoder block; the residual stream keeps the params' dtype (float32)."""
     x = x + self_attention(layer_norm(x, p["ln1"]), p["attn"], dtype).astype(x.dtype)
     return x + mlp(layer_norm(x, p["ln2"]), p["mlp"], dtype).astype(x.dtype)
 
@@ -210,7 +235,9 @@ def block(x: Float[Array, "b t d"], p: Params, dtype: jnp.dtype) -> Float[Array,
 
 def patchify(images: Float[Array, "b H W c"], patch: int) -> Float[Array, "b t p"]:
     """Non-overlapping patches, flattened (row, col, channel) like a conv kernel [p, p, c, d]."""
-    return einops.rearrange(images, "b (gh ph) (gw pw) c -> b (gh gw) (ph pw c)", ph=patch, pw=patch)
+    return einops.rearrange(
+        images, "b (gh ph) (gw pw) c -> b (gh gw) (ph pw c)", ph=patch, pw=patch
+    )
 
 
 def embed(params: Params, images: Float[Array, "b H W c"], cfg: ViTConfig) -> Float[Array, "b t d"]:
@@ -222,7 +249,8 @@ def embed(params: Params, images: Float[Array, "b H W c"], cfg: ViTConfig) -> Fl
         )
     dtype = compute_dtype(cfg)
     x = dense(patchify(images, cfg.patch), params["embedding"], "btp,pd->btd", dtype)
-    x = x.astype(jnp.float32) + position_embedding(params, cfg)
+    residual_dtype = params["embedding"]["kernel"].dtype
+    x = x.astype(residual_dtype) + position_embedding(params, cfg).astype(residual_dtype)
     if cfg.pool == "tok":
         cls = jnp.broadcast_to(params["cls"], (x.shape[0], 1, cfg.dim))
         x = jnp.concatenate([cls, x], axis=1)
@@ -266,5 +294,6 @@ def forward(
     inter.update({f"block_{i}": per_layer[i] for i in range(cfg.depth)})
     x = inter["encoded"] = layer_norm(x, params["encoder_norm"])
     x = inter["pre_logits"] = pool(x, cfg)
-    logits = dense(x, params["head"], "bd,do->bo", dtype).astype(jnp.float32)
+    logits = dense(x, params["head"], "bd,do->bo", dtype)
+    logits = logits.astype(at_least_f32(logits.dtype))
     return logits, inter

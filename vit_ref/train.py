@@ -11,14 +11,15 @@ import optax
 from jaxtyping import Array, Float, Int
 
 from vit_ref.config import ViTConfig
-from vit_ref.model import Params, forward
+from vit_ref.model import Params, at_least_f32, forward
 
 TrainStep = Callable[[Params, Any, Array, Array], tuple[Params, Any, dict[str, Array]]]
 
 
 def cross_entropy(logits: Float[Array, "b o"], labels: Int[Array, " b"]) -> Float[Array, ""]:
     """Mean softmax cross-entropy with integer labels, in float32."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    logits = logits.astype(at_least_f32(logits.dtype))
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     return losses.mean()
 
 
@@ -41,6 +42,16 @@ def make_optimizer(
     return optax.adamw(learning_rate, weight_decay=weight_decay)
 
 
+def apply_optimizer(
+    optimizer: optax.GradientTransformation, grads: Params, opt_state: Any, params: Params
+) -> tuple[Params, Any]:
+    """One optax update. optax mixes Python floats with int32 step counts, which strict dtype
+    promotion (on in our tests, to check our own code) rejects, so it runs under "standard"."""
+    with jax.numpy_dtype_promotion("standard"):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+
 def make_train_step(cfg: ViTConfig, optimizer: optax.GradientTransformation) -> TrainStep:
     """A jitted step ``(params, opt_state, images, labels) -> (params, opt_state, metrics)``.
 
@@ -49,8 +60,7 @@ def make_train_step(cfg: ViTConfig, optimizer: optax.GradientTransformation) -> 
 
     def step(params: Params, opt_state: Any, images: Array, labels: Array):
         loss, grads = jax.value_and_grad(loss_fn)(params, images, labels, cfg)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state = apply_optimizer(optimizer, grads, opt_state, params)
         return params, opt_state, {"loss": loss}
 
     return jax.jit(step, donate_argnums=(0, 1))
