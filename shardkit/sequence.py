@@ -1,0 +1,518 @@
+"""Sequence-parallel attention: ring attention, Ulysses, their hybrid (USP), and token padding.
+
+Every ``attention_*`` function runs INSIDE ``jax.shard_map`` on per-device blocks and takes the
+names of the mesh axes it communicates over; ``sharded_attention`` wraps them for global arrays.
+Nothing here assumes a ViT: any bidirectional attention with a per-key validity mask fits.
+
+Dimension alphabet (vit_ref's): b batch, t tokens (q query tokens, s key tokens), h heads,
+k head dim. Local blocks inside ``shard_map``:
+
+  q, k, v     [b, t_local, h_local, k]   float32 or bfloat16 (one dtype for all three)
+  key_valid   [b, t_local] or [t_local]  bool, True for a real key; or None (all keys real)
+  out         [b, t_local, h_local, k]   q's dtype
+  lse         [b, h_local, t_local]      float32 log-sum-exp of each query's logits
+
+Sharding signatures (scaling-book notation; X the sequence axis, of size n):
+
+  attention_local    q[B, T, H, K] · k, v[B, S, H, K] -> out[B, T, H, K], lse[B, H, T]  (no comm)
+  attention_ring     q[B, T_X, H, K] · k, v[B, S_X, H, K] -> out[B, T_X, H, K], lse[B, H, T_X]
+                     forward: K, V (and key_valid) hop round X by ppermute n−1 times;
+                     backward: K, V hop n−1 times, dK, dV n times, so they end on their owner.
+  attention_ulysses  q, k, v[B, T_X, H, K] --AllToAll--> [B, T, H_X, K] -> attention_local
+                     -> out[B, T, H_X, K] --AllToAll--> out[B, T_X, H, K];
+                     lse[B, H_X, T] --AllToAll--> lse[B, H, T_X];
+                     key_valid[B, S_X] --AllGather--> key_valid[B, S].
+  attention_usp      (U = Ulysses axis, R = ring axis, tokens split over (R, U), R major)
+                     q, k, v[B, T_(R,U), H, K] --AllToAll over U--> [B, T_R, H_U, K]
+                     -> attention_ring over R -> out[B, T_R, H_U, K] --AllToAll over U-->
+                     out[B, T_(R,U), H, K]; lse likewise.
+
+Masking: logits of invalid keys become ``MASK_VALUE`` (finite: −0.7 · float32 max, as in
+Splash attention) and their probabilities are then set to exactly 0, so a query whose keys are
+all invalid gets out = 0, lse = ``MASK_VALUE`` and zero, finite gradients. Logits, softmax
+statistics and accumulators are float32 whatever the input dtype.
+
+USP mesh: ``all_to_all`` and ``ppermute`` act on a whole mesh axis, so the hybrid needs the
+sequence axis split in two. ``usp_mesh(mesh, u)`` turns a ``data × seq × model`` mesh into
+``data × seq_ring × seq_ulysses × model`` by reshaping the seq dimension of the device grid
+(ring major, Ulysses minor). The same devices hold the same tokens: ``P(..., USP_SEQ, ...)`` with
+``USP_SEQ = ("seq_ring", "seq_ulysses")`` on the split mesh places data exactly as
+``P(..., "seq", ...)`` does on the original, and a collective over ``"seq"`` becomes one over
+``USP_SEQ``. Ulysses is the minor axis so its all-to-alls stay among neighbouring devices.
+
+Padding: a token count that does not divide n is padded with ``pad_tokens`` before
+``shard_map``; pass the returned mask as ``key_valid`` so padded keys get zero weight. Padded
+QUERY rows still produce outputs: drop them (slice back) or mask them before any reduction over
+tokens. Mean pooling ("gap") over a padded, sharded sequence is sum(x · valid) over the local
+tokens, ``psum`` over the seq axis, divided by the TRUE token count (not t_padded, not a
+per-device count).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Float
+
+from shardkit.mesh import AXES, PlanError
+
+MASK_VALUE = float(np.float32(-0.7 * float(np.finfo(np.float32).max)))  # exact in float32
+SEQ_RING = "seq_ring"
+SEQ_ULYSSES = "seq_ulysses"
+USP_SEQ = (SEQ_RING, SEQ_ULYSSES)
+USP_AXES = ("data", SEQ_RING, SEQ_ULYSSES, "model")
+ATTENTION_MODES = ("ring", "ulysses", "usp")
+
+Block = Float[Array, "b t h k"]
+KeyValid = Bool[Array, "b s"] | Bool[Array, " s"] | None
+Lse = Float[Array, "b h t"]
+# Running softmax state of one query block: max m [b,h,q], sum l [b,h,q], unnormalised acc
+# [b,q,h,k]; all float32.
+_Stats = tuple[Array, Array, Array]
+_Attention = Callable[[Array, Array, Array, Array | None], tuple[Array, Array]]
+
+
+# ----------------------------------------------------------------------------- block math
+
+
+def _check_blocks(q: Array, k: Array, v: Array, key_valid: Array | None) -> None:
+    """Raises ValueError unless q [b,t,h,k], k = v [b,s,h,k], key_valid [b,s] | [s] bool."""
+    b, s, h, d = k.shape if k.ndim == 4 else (None,) * 4
+    if q.ndim != 4 or k.shape != v.shape or q.shape[0] != b or q.shape[2:] != (h, d):
+        raise ValueError(
+            f"attention needs q [b, t, h, k] and k, v [b, s, h, k] blocks; got q {q.shape}, "
+            f"k {k.shape}, v {v.shape}."
+        )
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}.")
+    if key_valid is not None and (
+        key_valid.dtype != jnp.bool_ or key_valid.shape not in ((b, s), (s,))
+    ):
+        raise ValueError(
+            f"key_valid must be a bool array of shape [{b}, {s}] or [{s}]; "
+            f"got {key_valid.dtype} {key_valid.shape}."
+        )
+
+
+def _key_mask(key_valid: Array) -> Array:
+    """[b, s] or [s] -> [b | 1, 1, 1, s], broadcastable against logits [b, h, q, s]."""
+    valid = key_valid if key_valid.ndim == 2 else key_valid[None]
+    return valid[:, None, None, :]
+
+
+def _logits(q: Array, k: Array, key_valid: Array | None) -> Array:
+    """Scaled float32 logits [b, h, q, s]; invalid keys get the finite MASK_VALUE."""
+    scale = q.shape[-1] ** -0.5
+    s = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) * scale
+    return s if key_valid is None else jnp.where(_key_mask(key_valid), s, MASK_VALUE)
+
+
+def _probs(s: Array, shift: Array, key_valid: Array | None) -> Array:
+    """exp(s − shift) with invalid keys exactly 0, so a row with no valid key sums to 0."""
+    p = jnp.exp(s - shift[..., None])
+    return p if key_valid is None else jnp.where(_key_mask(key_valid), p, 0.0)
+
+
+def _bhq_to_bqh(x: Array) -> Array:
+    return jnp.swapaxes(x, 1, 2)
+
+
+def _block_stats(q: Array, k: Array, v: Array, key_valid: Array | None) -> _Stats:
+    """Softmax statistics of q against one K/V block."""
+    s = _logits(q, k, key_valid)
+    # The max only shifts exponents; out and lse do not depend on it, so no gradient flows.
+    m = jax.lax.stop_gradient(s.max(-1))
+    p = _probs(s, m, key_valid)
+    acc = jnp.einsum("bhqs,bshk->bqhk", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m, p.sum(-1), acc
+
+
+def _merge(a: _Stats, b: _Stats) -> _Stats:
+    """Online-softmax merge of two blocks' statistics (rescale both to the larger max)."""
+    (m_a, l_a, acc_a), (m_b, l_b, acc_b) = a, b
+    m = jnp.maximum(m_a, m_b)
+    w_a, w_b = jnp.exp(m_a - m), jnp.exp(m_b - m)
+    acc = acc_a * _bhq_to_bqh(w_a)[..., None] + acc_b * _bhq_to_bqh(w_b)[..., None]
+    return m, l_a * w_a + l_b * w_b, acc
+
+
+def _finish(stats: _Stats, dtype: jnp.dtype) -> tuple[Array, Array]:
+    """(out, lse) from final statistics; rows without a valid key give out 0, lse MASK_VALUE."""
+    m, row_sum, acc = stats
+    has_key = row_sum > 0
+    l_safe = jnp.where(has_key, row_sum, 1.0)  # keeps log and division finite in value and gradient
+    out = acc / _bhq_to_bqh(l_safe)[..., None]
+    lse = jnp.where(has_key, m + jnp.log(l_safe), MASK_VALUE)
+    return out.astype(dtype), lse
+
+
+def _block_grads(
+    q: Array, k: Array, v: Array, key_valid: Array | None, d_out: Array, lse: Array, delta: Array
+) -> tuple[Array, Array, Array]:
+    """Float32 (dq, dk, dv) of one K/V block, recomputing probabilities from the saved lse.
+
+    delta [b, h, q] is rowsum(d_out · out) − d_lse, so ds = p · (dp − delta) also carries the
+    gradient through lse (d lse / d s = p).
+    """
+    f32 = jnp.float32
+    p = _probs(_logits(q, k, key_valid), lse, key_valid)
+    dv = jnp.einsum("bhqs,bqhk->bshk", p.astype(d_out.dtype), d_out, preferred_element_type=f32)
+    dp = jnp.einsum("bqhk,bshk->bhqs", d_out, v, preferred_element_type=f32)
+    ds = p * (dp - delta[..., None]) * q.shape[-1] ** -0.5
+    dq = jnp.einsum("bhqs,bshk->bqhk", ds.astype(k.dtype), k, preferred_element_type=f32)
+    dk = jnp.einsum("bhqs,bqhk->bshk", ds.astype(q.dtype), q, preferred_element_type=f32)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- local
+
+
+def attention_local(q: Block, k: Block, v: Block, key_valid: KeyValid = None) -> tuple[Block, Lse]:
+    """Masked softmax attention on whole local blocks (no communication; plain autodiff).
+
+    Args:
+      q: queries [b, t, h, k]; k, v: keys and values [b, s, h, k] (same dtype as q).
+      key_valid: bool [b, s] or [s], True for real keys; None means all keys are real.
+
+    Returns:
+      out [b, t, h, k] in q's dtype (zeros for a query with no valid key) and the float32
+      log-sum-exp of its logits, lse [b, h, t] (MASK_VALUE for a query with no valid key).
+    """
+    _check_blocks(q, k, v, key_valid)
+    return _finish(_block_stats(q, k, v, key_valid), q.dtype)
+
+
+# ----------------------------------------------------------------------------- ring
+
+
+def _ring_perm(n: int) -> list[tuple[int, int]]:
+    return [(i, (i + 1) % n) for i in range(n)]
+
+
+def attention_ring_autodiff(
+    q: Block, k: Block, v: Block, key_valid: KeyValid, axis: str
+) -> tuple[Block, Lse]:
+    """Ring attention forward, differentiated by plain JAX autodiff: the memory BASELINE.
+
+    Same arguments, results and sharding signature as ``attention_ring``. Autodiff through the
+    ``scan`` keeps every hop's probabilities [b, h, t_local, s_local] for backward (O(S²/n) per
+    device) and sends the K/V cotangents back the other way round the ring; use
+    ``attention_ring``, whose hand-written backward saves only q, k, v, out and lse.
+    """
+    _check_blocks(q, k, v, key_valid)
+    n = jax.lax.axis_size(axis)
+
+    def hop(carry: tuple[_Stats, tuple], _: None) -> tuple[tuple[_Stats, tuple], None]:
+        stats, kv = carry
+        # Pass the K/V block and its key mask one step round the ring: after j hops this
+        # device holds the block that started on device i − j.
+        kv = jax.lax.ppermute(kv, axis, _ring_perm(n))
+        return (_merge(stats, _block_stats(q, *kv)), kv), None
+
+    kv = (k, v, key_valid)
+    stats = _block_stats(q, *kv)
+    if n > 1:
+        (stats, _), _ = jax.lax.scan(hop, (stats, kv), length=n - 1)
+    return _finish(stats, q.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ring(q: Array, k: Array, v: Array, key_valid: Array | None, axis: str) -> tuple[Array, Array]:
+    return attention_ring_autodiff(q, k, v, key_valid, axis)
+
+
+def _ring_fwd(
+    q: Array, k: Array, v: Array, key_valid: Array | None, axis: str
+) -> tuple[tuple[Array, Array], tuple]:
+    out, lse = attention_ring_autodiff(q, k, v, key_valid, axis)
+    return (out, lse), (q, k, v, key_valid, out, lse)
+
+
+def _ring_bwd(axis: str, res: tuple, cts: tuple[Array, Array]) -> tuple:
+    q, k, v, key_valid, out, lse = res
+    d_out, d_lse = cts
+    f32 = jnp.float32
+    delta = _bhq_to_bqh(jnp.sum(d_out.astype(f32) * out.astype(f32), -1)) - d_lse
+    n = jax.lax.axis_size(axis)
+
+    def hop(carry: tuple, _: None) -> tuple[tuple, None]:
+        dq, kv, dkv = carry
+        # K, V, mask and their gradient accumulators travel together, one step round the ring.
+        kv, (dk, dv) = jax.lax.ppermute((kv, dkv), axis, _ring_perm(n))
+        k_blk, v_blk, valid_blk = kv
+        dq_blk, dk_blk, dv_blk = _block_grads(q, k_blk, v_blk, valid_blk, d_out, lse, delta)
+        return (dq + dq_blk, kv, (dk + dk_blk, dv + dv_blk)), None
+
+    kv = (k, v, key_valid)
+    dq, dk, dv = _block_grads(q, k, v, key_valid, d_out, lse, delta)
+    if n > 1:
+        (dq, _, (dk, dv)), _ = jax.lax.scan(hop, (dq, kv, (dk, dv)), length=n - 1)
+        # n-th hop for dK, dV only: each accumulator returns to the device that owns its block.
+        dk, dv = jax.lax.ppermute((dk, dv), axis, _ring_perm(n))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def attention_ring(
+    q: Block, k: Block, v: Block, key_valid: KeyValid, axis: str
+) -> tuple[Block, Lse]:
+    """Ring attention over mesh axis ``axis`` with a memory-lean hand-written backward.
+
+    Each device keeps its query block; K/V blocks (with their key masks) travel the ring by
+    ``ppermute`` for n − 1 hops and an online softmax (float32 running max and sum) merges
+    them. Backward saves only q, k, v, out and lse, recomputes each block's probabilities, and
+    sends dK, dV round the ring with their blocks (n hops: they end on their owner). No
+    all-gather anywhere. n = 1 communicates nothing. Bytes sent per device: forward
+    (n − 1)·(K + V + mask blocks); backward (n − 1)·(K + V + mask) + n·(dK + dV), the dK, dV
+    accumulators in float32 whatever the input dtype (their sum would lose bits in bfloat16).
+
+    Signature: q[B, T_X, H, K] · k, v[B, S_X, H, K] -> out[B, T_X, H, K], lse[B, H, T_X].
+
+    Args:
+      q: local queries [b, t, h, k]; k, v: local keys and values [b, s, h, k].
+      key_valid: local bool mask [b, s] or [s] (True = real key), or None.
+      axis: the mesh axis the sequence is split over.
+
+    Returns:
+      out [b, t, h, k] (q's dtype) and lse [b, h, t] (float32), equal to attention over the
+      whole sequence; see ``attention_local`` for rows without a valid key.
+    """
+    _check_blocks(q, k, v, key_valid)
+    return _ring(q, k, v, key_valid, axis)
+
+
+# ----------------------------------------------------------------------------- Ulysses
+
+
+def seq_to_heads(x: Float[Array, "b t_local h k"], axis: str) -> Float[Array, "b t h_local k"]:
+    """[b, t/n, h, k] -> [b, t, h/n, k]: x[B, T_X, H, K] --AllToAll--> x[B, T, H_X, K]."""
+    # Trade the token split for a head split: each device then sees every token of h/n heads.
+    return jax.lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)
+
+
+def heads_to_seq(x: Float[Array, "b t h_local k"], axis: str) -> Float[Array, "b t_local h k"]:
+    """[b, t, h/n, k] -> [b, t/n, h, k]: x[B, T, H_X, K] --AllToAll--> x[B, T_X, H, K]."""
+    # Undo seq_to_heads: each device gets its own tokens back, now for every head.
+    return jax.lax.all_to_all(x, axis, split_axis=1, concat_axis=2, tiled=True)
+
+
+def _check_heads(heads: int, axis: str) -> None:
+    n = jax.lax.axis_size(axis)
+    if heads % n:
+        raise PlanError(
+            f"Ulysses over mesh axis {axis!r} of size {n} needs a local head count divisible by "
+            f"{n}, but there are {heads} heads."
+        )
+
+
+def _ulysses(
+    q: Array, k: Array, v: Array, key_valid: Array | None, axis: str, inner: _Attention
+) -> tuple[Array, Array]:
+    """Ulysses over ``axis`` around ``inner``, an attention over the gathered tokens."""
+    _check_blocks(q, k, v, key_valid)
+    _check_heads(q.shape[2], axis)
+    q_h, k_h, v_h = (seq_to_heads(x, axis) for x in (q, k, v))
+    if key_valid is not None:
+        # Every device now needs every key's validity; the mask is tiny, so gather it.
+        key_valid = jax.lax.all_gather(key_valid, axis, axis=key_valid.ndim - 1, tiled=True)
+    out, lse = inner(q_h, k_h, v_h, key_valid)
+    # lse[B, H_X, T] -> lse[B, H, T_X]: back to the token split of q.
+    lse = jax.lax.all_to_all(lse, axis, split_axis=2, concat_axis=1, tiled=True)
+    return heads_to_seq(out, axis), lse
+
+
+def attention_ulysses(
+    q: Block, k: Block, v: Block, key_valid: KeyValid, axis: str
+) -> tuple[Block, Lse]:
+    """Ulysses (DeepSpeed) sequence parallelism over mesh axis ``axis`` of size n.
+
+    All-to-all from a token split to a head split, ``attention_local`` over the full sequence
+    for h/n heads, all-to-all back. Forward: four all-to-alls of q, k, v, out (plus one of the
+    small lse and an all-gather of the key mask); backward: four all-to-alls.
+
+    Signature: q, k, v[B, T_X, H, K] -> out[B, T_X, H, K], lse[B, H, T_X].
+
+    Args:
+      q, k, v: local blocks [b, t, h, k]; h must be divisible by n.
+      key_valid: local bool mask [b, t] or [t] (True = real key), or None.
+      axis: the mesh axis the sequence is split over.
+
+    Returns:
+      out [b, t, h, k] and lse [b, h, t] as ``attention_local`` on the whole sequence.
+
+    Raises:
+      PlanError (a ValueError), at trace time, when h is not divisible by n.
+    """
+    return _ulysses(q, k, v, key_valid, axis, attention_local)
+
+
+# ----------------------------------------------------------------------------- USP
+
+
+def attention_usp(
+    q: Block, k: Block, v: Block, key_valid: KeyValid, ulysses_axis: str, ring_axis: str
+) -> tuple[Block, Lse]:
+    """Unified sequence parallelism: Ulysses over ``ulysses_axis``, ring over ``ring_axis``.
+
+    The tokens must be split over (ring_axis, ulysses_axis), ring major: on a ``usp_mesh`` use
+    ``P(..., USP_SEQ, ...)``. All-to-alls over the Ulysses axis gather each ring group's tokens
+    and split heads; ring attention then runs over the ring axis on h/u heads.
+
+    Signature: q, k, v[B, T_(R,U), H, K] -> out[B, T_(R,U), H, K], lse[B, H, T_(R,U)].
+
+    Args:
+      q, k, v: local blocks [b, t, h, k]; h must be divisible by the Ulysses axis size.
+      key_valid: local bool mask [b, t] or [t] (True = real key), or None.
+      ulysses_axis, ring_axis: the two mesh axes the sequence is split over.
+
+    Returns:
+      out [b, t, h, k] and lse [b, h, t] as ``attention_local`` on the whole sequence.
+    """
+    ring = functools.partial(attention_ring, axis=ring_axis)
+    return _ulysses(q, k, v, key_valid, ulysses_axis, ring)
+
+
+def usp_factor(seq_size: int, heads_local: int, ulysses: int | None = None) -> int:
+    """The Ulysses degree u of a USP split of a seq axis of ``seq_size`` devices.
+
+    None picks the largest u dividing both ``seq_size`` and ``heads_local`` (the heads per
+    device before Ulysses, i.e. after any tensor-parallel split); the ring degree is then
+    ``seq_size // u``. A given u is validated; PlanError (a ValueError) if it does not divide.
+    """
+    if ulysses is None:
+        return math.gcd(seq_size, heads_local)
+    if ulysses < 1 or seq_size % ulysses or heads_local % ulysses:
+        raise PlanError(
+            f"Ulysses degree {ulysses} must divide both the seq axis size {seq_size} and the "
+            f"local head count {heads_local}."
+        )
+    return ulysses
+
+
+def usp_mesh(mesh: Mesh, ulysses: int) -> Mesh:
+    """Splits a ``data × seq × model`` mesh's seq axis into ``seq_ring × seq_ulysses``.
+
+    The device grid [data, seq, model] is reshaped to [data, seq/u, u, model] with axes
+    ``USP_AXES``, so ``P(..., USP_SEQ, ...)`` here places every shard on the same device as
+    ``P(..., "seq", ...)`` on ``mesh``; data-, model- and seq-sharded arrays carry over as is.
+    """
+    if tuple(mesh.axis_names) != AXES:
+        raise PlanError(f"usp_mesh needs a mesh with axes {AXES}, got {mesh.axis_names}.")
+    data, seq, model = mesh.devices.shape
+    if ulysses < 1 or seq % ulysses:
+        raise PlanError(f"Ulysses degree {ulysses} must divide the seq axis size {seq}.")
+    grid = mesh.devices.reshape(data, seq // ulysses, ulysses, model)
+    return Mesh(grid, USP_AXES, axis_types=(AxisType.Auto,) * len(USP_AXES))
+
+
+# ----------------------------------------------------------------------------- global arrays
+
+
+def pad_tokens(x: Array, multiple: int, axis: int = 1) -> tuple[Array, Bool[Array, " t"]]:
+    """Zero-pads (False for bool) ``axis`` of ``x`` up to a multiple of ``multiple``.
+
+    Use outside ``shard_map``. Returns the padded array and valid [t_padded], True on the
+    original tokens: pass it (or its AND with a user mask) as key_valid, and remember that pooling
+    must divide by the true token count (see the module docstring).
+    """
+    axis %= x.ndim
+    t = x.shape[axis]
+    t_padded = -(-t // multiple) * multiple
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, t_padded - t)
+    return jnp.pad(x, widths), jnp.arange(t_padded) < t
+
+
+def _mode_plan(
+    mesh: Mesh, mode: str, heads: int, ulysses: int | None
+) -> tuple[Mesh, str | tuple[str, ...], _Attention]:
+    """(mesh to run on, the token spec entry, the per-device attention) for ``mode``."""
+    if mode == "ring":
+        return mesh, "seq", functools.partial(attention_ring, axis="seq")
+    if mode == "ulysses":
+        return mesh, "seq", functools.partial(attention_ulysses, axis="seq")
+    if mode != "usp":
+        raise PlanError(f"Unknown attention mode {mode!r}; choose one of {ATTENTION_MODES}.")
+    u = usp_factor(mesh.shape["seq"], heads // mesh.shape["model"], ulysses)
+    attn = functools.partial(attention_usp, ulysses_axis=SEQ_ULYSSES, ring_axis=SEQ_RING)
+    return usp_mesh(mesh, u), USP_SEQ, attn
+
+
+def _padded_inputs(
+    q: Array, k: Array, v: Array, key_valid: Array | None, n: int, seq: str | tuple[str, ...]
+) -> tuple[tuple[Array, ...], tuple[P, ...]]:
+    """Token-padded (q, k, v[, key_valid]) and their in_specs; a mask only where one is needed."""
+    spec = P("data", seq, "model", None)
+    (q_pad, _), (k_pad, valid), (v_pad, _) = (pad_tokens(x, n) for x in (q, k, v))
+    if key_valid is not None:
+        valid_pad, _ = pad_tokens(key_valid, n)
+        return (q_pad, k_pad, v_pad, valid_pad), (spec, spec, spec, P("data", seq))
+    if k_pad.shape[1] == k.shape[1]:
+        return (q_pad, k_pad, v_pad), (spec, spec, spec)
+    return (q_pad, k_pad, v_pad, valid), (spec, spec, spec, P(seq))
+
+
+def _check_global(q: Array, mesh: Mesh) -> None:
+    if q.shape[0] % mesh.shape["data"] or q.shape[2] % mesh.shape["model"]:
+        raise PlanError(
+            f"Batch {q.shape[0]} must divide by data={mesh.shape['data']} and heads {q.shape[2]} "
+            f"by model={mesh.shape['model']}."
+        )
+
+
+def sharded_attention(
+    q: Float[Array, "b t h k"],
+    k: Float[Array, "b s h k"],
+    v: Float[Array, "b s h k"],
+    mesh: Mesh,
+    mode: str = "ring",
+    key_valid: Bool[Array, "b s"] | None = None,
+    *,
+    ulysses: int | None = None,
+) -> tuple[Float[Array, "b t h k"], Float[Array, "b h t"]]:
+    """Sequence-parallel attention on global arrays: pads, runs ``shard_map``, slices back.
+
+    Batch is split over ``data``, tokens over ``seq`` (padded to a multiple of its size) and
+    heads over ``model``: q, k, v[B_data, T_seq, H_model, K] -> out[B_data, T_seq, H_model, K],
+    lse[B_data, H_model, T_seq].
+
+    Args:
+      q: queries [b, t, h, k]; k, v: keys and values [b, s, h, k].
+      mesh: a ``data × seq × model`` mesh from ``shardkit.mesh.make_mesh``.
+      mode: "ring", "ulysses" or "usp" (the seq axis split by ``usp_mesh``).
+      key_valid: optional bool [b, s], True for real keys.
+      ulysses: the Ulysses degree for "usp" (None: ``usp_factor`` picks it).
+
+    Returns:
+      out [b, t, h, k] and float32 lse [b, h, t], as ``attention_local`` on the whole arrays.
+      A convenience for users and tests: when t does not divide, slicing the padded, seq-sharded
+      results back makes XLA gather them outside ``shard_map``. Models should keep activations
+      padded and call the ``attention_*`` functions inside their own ``shard_map``.
+    """
+    _check_global(q, mesh)
+    n = mesh.shape["seq"]
+    mesh, seq, attn = _mode_plan(mesh, mode, q.shape[2], ulysses)
+    spec = P("data", seq, "model", None)
+    args, in_specs = _padded_inputs(q, k, v, key_valid, n, seq)
+
+    def body(q: Array, k: Array, v: Array, key_valid: Array | None = None) -> tuple:
+        return attn(q, k, v, key_valid)
+
+    sharded = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=(spec, P("data", "model", seq)),
+        check_vma=True,
+    )
+    out, lse = sharded(*args)
+    return out[:, : q.shape[1]], lse[..., : q.shape[1]]

@@ -1,0 +1,148 @@
+"""Tensor parallelism over one mesh axis (usually ``model``), Megatron style.
+
+Primitives for ``shard_map`` bodies; they take plain arrays, param dicts ``{"kernel", "bias"}``
+holding this device's fragment, and an axis name. Nothing here assumes a ViT.
+
+A TP region starts where an activation replicated over the axis enters column-parallel matmuls
+and ends where row-parallel partial sums are reduced:
+
+  enter:  x[B, T, D] -> x[B, T, D] (typed varying)        Megatron f: all-reduce in backward
+          or, sequence-parallel: x[B, T_X, D] -> x[B, T, D]   all-gather (reduce-scatter back)
+  column: x[B, T, D] · W[D, F_X] -> h[B, T, F_X]            local
+  row:    h[B, T, F_X] · W[F_X, D] -> y[B, T, D]{U_X}       local
+  exit:   y{U_X} -> y[B, T, D]                            Megatron g: all-reduce
+          or, sequence-parallel: y{U_X} -> y[B, T_X, D]      reduce-scatter (all-gather back)
+
+Enter once per region, not once per matmul: autodiff does not merge reductions, so an
+activation typed invariant that feeds q, k and v projections separately would all-reduce three
+cotangents in backward instead of one (see ``shardkit.collectives.megatron_f``).
+Bias: a column-parallel bias is split like its output (``b[F_X]``); a row-parallel bias is
+whole (``b[D]``) and added once, after the reduction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from shardkit.collectives import all_gather, megatron_f, megatron_g, reduce_scatter
+
+Params = dict[str, Any]
+AttentionCore = Callable[[Array, Array, Array], Array]
+
+
+def _cast(x: Array, dtype: jnp.dtype | None) -> Array:
+    return x if dtype is None else x.astype(dtype)
+
+
+def add_bias(y: Array, b: Array) -> Array:
+    """``y + b`` with ``b`` broadcast over ``y``'s leading axes (explicit, rank-safe)."""
+    return y + b.reshape((1,) * (y.ndim - b.ndim) + b.shape).astype(y.dtype)
+
+
+def enter_tp(x: Array, axis: str | None, *, token_dim: int | None = None) -> Array:
+    """Start a TP region: Megatron f, or an all-gather of tokens for sequence parallelism.
+
+    ``token_dim=None``: ``x[B, T, D] -> x[B, T, D]`` typed varying; backward all-reduces the
+    cotangent ``{U_X}``. ``token_dim=1``: ``x[B, T_X, D] -> x[B, T, D]``; backward
+    reduce-scatters the cotangent back to token shards (same bytes, no all-reduce).
+    ``axis=None`` (no tensor parallelism) returns x unchanged.
+    """
+    if axis is None:
+        return x
+    if token_dim is None:
+        return megatron_f(x, axis)
+    # Megatron-SP: gather the token shards every column-parallel matmul needs.
+    return all_gather(x, axis, axis_dim=token_dim, tiled=True)
+
+
+def exit_tp(y_partial: Array, axis: str | None, *, token_dim: int | None = None) -> Array:
+    """End a TP region: ``y{U_X}`` -> all-reduced (Megatron g) or reduce-scattered over tokens."""
+    if axis is None:
+        return y_partial
+    if token_dim is None:
+        return megatron_g(y_partial, axis)
+    # Megatron-SP: sum the partial products and keep only this device's token shard.
+    return reduce_scatter(y_partial, axis, scatter_dim=token_dim, tiled=True)
+
+
+def dense_column(x: Array, p: Params, spec: str, dtype: jnp.dtype | None = None) -> Array:
+    """Column-parallel dense: ``x[..., D] · W[D, F_X] + b[F_X] -> y[..., F_X]``, no communication.
+
+    ``x`` must already be varying over the axis (from ``enter_tp``); ``spec`` is the einsum,
+    e.g. ``"btd,dhk->bthk"`` for a head-split projection.
+    """
+    y = jnp.einsum(spec, _cast(x, dtype), _cast(p["kernel"], dtype))
+    return add_bias(y, _cast(p["bias"], dtype))
+
+
+def dense_row(
+    x: Array,
+    p: Params,
+    spec: str,
+    axis: str | None,
+    dtype: jnp.dtype | None = None,
+    *,
+    token_dim: int | None = None,
+) -> Array:
+    """Row-parallel dense: ``x[..., F_X] · W[F_X, D] -> {U_X}``, reduced by ``exit_tp``, + b[D]."""
+    y_partial = jnp.einsum(spec, _cast(x, dtype), _cast(p["kernel"], dtype))
+    return add_bias(exit_tp(y_partial, axis, token_dim=token_dim), _cast(p["bias"], dtype))
+
+
+def attention_tp(
+    x: Float[Array, "b t d"],
+    p: Params,
+    axis: str | None,
+    core: AttentionCore,
+    dtype: jnp.dtype | None = None,
+    *,
+    token_dim: int | None = None,
+) -> Float[Array, "b t d"]:
+    """Self-attention with heads split over ``axis``.
+
+    ``x[B, T, D]`` (or ``x[B, T_X, D]`` with ``token_dim``) · ``W_qkv[D, H_X, K]`` ->
+    ``q, k, v[B, T, H_X, K]`` -> ``core`` -> ``o[B, T, H_X, K]`` · ``W_o[H_X, K, D]`` ->
+    ``{U_X}`` -> reduced. ``p`` holds ``query``, ``key``, ``value``, ``out`` fragments;
+    ``core(q, k, v) -> o`` is any attention on local heads (plain, ring, Ulysses, masked...).
+    One forward and one backward reduction per call, whatever the number of projections.
+    """
+    x = enter_tp(x, axis, token_dim=token_dim)
+    q, k, v = (
+        dense_column(x, p[name], "btd,dhk->bthk", dtype) for name in ("query", "key", "value")
+    )
+    o = core(q, k, v)
+    return dense_row(o, p["out"], "bthk,hkd->btd", axis, dtype, token_dim=token_dim)
+
+
+def mlp_tp(
+    x: Float[Array, "b t d"],
+    p: Params,
+    axis: str | None,
+    activation: Callable[[Array], Array],
+    dtype: jnp.dtype | None = None,
+    *,
+    token_dim: int | None = None,
+) -> Float[Array, "b t d"]:
+    """Megatron MLP: ``x[B, T, D] · W1[D, F_X] -> act -> · W2[F_X, D] -> {U_X}`` -> reduced.
+
+    ``p`` holds ``fc1`` (column-parallel) and ``fc2`` (row-parallel) fragments; one reduction
+    per block forward (none between the two matmuls) and one backward.
+    """
+    x = enter_tp(x, axis, token_dim=token_dim)
+    h = activation(dense_column(x, p["fc1"], "btd,df->btf", dtype))
+    return dense_row(h, p["fc2"], "btf,fd->btd", axis, dtype, token_dim=token_dim)
+
+
+__all__ = [
+    "add_bias",
+    "attention_tp",
+    "dense_column",
+    "dense_row",
+    "enter_tp",
+    "exit_tp",
+    "mlp_tp",
+]

@@ -1,0 +1,144 @@
+"""Tools to verify a sharded model against its unsharded twin: tree comparison + strategies.
+
+Comparison: the error of a leaf is its relative L2 error ``‖a − b‖ / max(‖b‖, floor)`` where
+``floor = floor_fraction · max over leaves of ‖b_leaf‖``. The floor matters for leaves whose
+true value is (near) zero, such as the key-projection bias gradient (softmax is invariant to a
+per-query constant, so it is exactly zero analytically and float noise in both runs): without
+it their "relative" error is noise over noise. A wrong leaf of ordinary size still shows an
+error of order 1.
+
+Strategies (hypothesis) draw valid combinations: meshes as factorisations of 1..8 devices
+(3 and 6 included, axes of size 1 included), ViT configs small enough for CPU, and plans
+whose every divisibility constraint holds, so failures are real.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from hypothesis import strategies as st
+
+import vit_ref
+from shardkit.mesh import AXES, Plan
+
+PyTree = Any
+DEFAULT_FLOOR = 1e-2
+
+
+def _norm(x: Any) -> float:
+    return float(np.linalg.norm(np.asarray(x, dtype=np.float64).ravel()))
+
+
+def tree_errors(actual: PyTree, expected: PyTree, floor: float = DEFAULT_FLOOR) -> dict[str, float]:
+    """Relative L2 error of every leaf, keyed by its path (e.g. ``['blocks']['mlp']...``)."""
+    exp_leaves = jax.tree_util.tree_leaves_with_path(expected)
+    act_leaves = jax.tree.leaves(actual)
+    if len(act_leaves) != len(exp_leaves):
+        raise ValueError(f"Trees differ: {len(act_leaves)} leaves vs {len(exp_leaves)} expected.")
+    scale = floor * max((_norm(leaf) for _, leaf in exp_leaves), default=0.0)
+    errors = {}
+    for (path, b), a in zip(exp_leaves, act_leaves, strict=True):
+        if np.shape(a) != np.shape(b):
+            raise ValueError(
+                f"Leaf {jax.tree_util.keystr(path)}: shape {np.shape(a)} vs {np.shape(b)}."
+            )
+        diff = np.asarray(a, np.float64) - np.asarray(b, np.float64)
+        errors[jax.tree_util.keystr(path)] = _norm(diff) / max(_norm(b), scale, 1e-30)
+    return errors
+
+
+def worst_leaf(errors: dict[str, float]) -> tuple[str, float]:
+    """(path, error) of the largest error (("", 0.0) for an empty tree)."""
+    return max(errors.items(), key=lambda kv: kv[1], default=("", 0.0))
+
+
+def max_error(actual: PyTree, expected: PyTree, floor: float = DEFAULT_FLOOR) -> float:
+    return worst_leaf(tree_errors(actual, expected, floor))[1]
+
+
+def assert_trees_close(
+    actual: PyTree,
+    expected: PyTree,
+    tol: float = 1e-5,
+    floor: float = DEFAULT_FLOOR,
+    what: str = "",
+) -> None:
+    """AssertionError naming the worst leaf if any leaf's relative error exceeds ``tol``."""
+    path, err = worst_leaf(tree_errors(actual, expected, floor))
+    if err > tol:
+        raise AssertionError(
+            f"{what or 'trees'}: leaf {path} has relative error {err:.3g} > {tol:g}."
+        )
+
+
+# ----------------------------------------------------------------------------- strategies
+
+
+def factorisations(n: int, k: int = 3) -> list[tuple[int, ...]]:
+    """All ordered k-tuples of positive integers whose product is n."""
+    if k == 1:
+        return [(n,)]
+    return [
+        (d, *rest) for d in range(1, n + 1) if n % d == 0 for rest in factorisations(n // d, k - 1)
+    ]
+
+
+@st.composite
+def meshes(draw: st.DrawFn, max_devices: int = 8, axes: tuple[str, ...] = AXES) -> dict[str, int]:
+    """A mesh shape over 1..max_devices devices using only ``axes`` (others are 1)."""
+    n = draw(st.integers(1, max_devices))
+    sizes = draw(st.sampled_from(factorisations(n, len(axes))))
+    return {**dict.fromkeys(AXES, 1), **dict(zip(axes, sizes, strict=True))}
+
+
+@st.composite
+def vit_configs(
+    draw: st.DrawFn, heads_multiple: int = 1, mlp_multiple: int = 1, dim_multiple: int = 1
+) -> vit_ref.ViTConfig:
+    """A small random ViT (depth ≥ 2, both pools, both posembs, random head) for CPU tests."""
+    heads = heads_multiple * draw(st.integers(1, 2))
+    head_dim = draw(st.sampled_from([4, 8]))
+    dim = heads * head_dim
+    dim = math.lcm(dim, dim_multiple, 4)
+    patch = draw(st.sampled_from([2, 4]))
+    grid = draw(st.integers(2, 4))
+    return vit_ref.ViTConfig(
+        image=patch * grid,
+        patch=patch,
+        channels=draw(st.sampled_from([1, 3])),
+        classes=draw(st.integers(2, 7)),
+        dim=dim,
+        depth=draw(st.integers(2, 3)),
+        heads=heads,
+        mlp_dim=mlp_multiple * 4 * draw(st.integers(1, 3)),
+        pool=draw(st.sampled_from(["tok", "gap"])),
+        posemb=draw(st.sampled_from(["learn", "sincos2d"])),
+        head_zeroinit=False,
+    )
+
+
+SEQ_MODES = ("ring", "ulysses", "usp")
+
+
+@st.composite
+def sharded_cases(
+    draw: st.DrawFn,
+    max_devices: int = 8,
+    sp_modes: tuple[str, ...] = ("none",),
+    fsdp: bool | None = None,
+) -> tuple[vit_ref.ViTConfig, Plan, int]:
+    """(cfg, plan, batch) that fit each other: every divisibility constraint holds."""
+    sp = draw(st.sampled_from(sp_modes))
+    axes = ("data", "model") if sp in ("none", "megatron") else AXES
+    mesh = draw(meshes(max_devices, axes))
+    # A mode whose axis drew size 1 degenerates to plain TP/DP (still a valid, useful case).
+    if (sp == "megatron" and mesh["model"] == 1) or (sp in SEQ_MODES and mesh["seq"] == 1):
+        sp = "none"
+    use_fsdp = draw(st.booleans()) if fsdp is None else fsdp
+    heads_multiple = mesh["model"] * (mesh["seq"] if sp == "ulysses" else 1)
+    cfg = draw(vit_configs(heads_multiple, mesh["model"], mesh["data"] if use_fsdp else 1))
+    batch = mesh["data"] * draw(st.integers(1, 2))
+    return cfg, Plan(mesh, sp=sp, fsdp=use_fsdp), batch

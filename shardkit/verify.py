@@ -1,0 +1,125 @@
+"""Sharded == reference: one case at a time, or the default matrix of strategies.
+
+For a (cfg, plan, batch) case this runs vit_ref and the sharded ViT on the same random params
+(head drawn randomly, so logits depend on the body) and batch, and reports the worst
+per-leaf relative L2 error of (1) the logits, (2) every gradient leaf, (3) every param after
+one AdamW step. See ``shardkit.testing`` for the error definition.
+
+The optimizer is AdamW with eps=1e-4 instead of optax's 1e-8. Some gradients are analytically
+zero (the key-projection bias: softmax ignores a per-query constant), so both runs hold only
+float32 rounding noise there (~1e-9), and Adam's first step, lr·g/(|g| + eps), turns that noise
+into updates of up to ±lr that differ between any two correct implementations. With eps=1e-4
+the noise moves those params by < lr·1e-5, while real gradients (≥ 1e-3 per entry here) still
+take full Adam steps, so a wrong or missing update remains an error of order 1e-2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import vit_ref
+from shardkit.mesh import Plan, format_mesh
+from shardkit.testing import max_error
+from shardkit.vit import ShardedViT, check_plan
+
+TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2}
+# bf16 bound: both runs round matmul inputs to 8 mantissa bits (2^-9 ≈ 2e-3 relative) in a
+# different order; over a few layers and the backward pass that compounds to ~1e-2.
+
+
+def verify_optimizer() -> optax.GradientTransformation:
+    return optax.adamw(1e-3, eps=1e-4, weight_decay=1e-4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    plan: Plan
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseResult:
+    name: str
+    plan: Plan
+    errors: dict[str, float]
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return all(e <= self.tolerance for e in self.errors.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "mesh": format_mesh(self.plan.mesh),
+            "sp": self.plan.sp,
+            "fsdp": self.plan.fsdp,
+            "ok": self.ok,
+            "errors": self.errors,
+            "tolerance": self.tolerance,
+        }
+
+
+def default_matrix(devices: int = 8) -> list[Case]:
+    """Every strategy on ``devices`` (8) CPU devices."""
+    if devices != 8:
+        return [Case("DP", Plan({"data": devices}))]
+    return [
+        Case("DP", Plan({"data": 8})),
+        Case("TP", Plan({"model": 8})),
+        Case("DP×TP", Plan({"data": 4, "model": 2})),
+        Case("FSDP", Plan({"data": 8}, fsdp=True)),
+        Case("FSDP×TP", Plan({"data": 4, "model": 2}, fsdp=True)),
+        Case("FSDP remat", Plan({"data": 8}, fsdp=True, remat=True)),
+        Case("Megatron-SP", Plan({"data": 2, "model": 4}, sp="megatron")),
+        Case("ring", Plan({"data": 2, "seq": 4}, sp="ring")),
+        Case("Ulysses", Plan({"data": 2, "seq": 4}, sp="ulysses")),
+        Case("USP", Plan({"data": 2, "seq": 4}, sp="usp", ulysses=2)),
+        Case("2×2×2 ring+TP+FSDP", Plan({"data": 2, "seq": 2, "model": 2}, sp="ring", fsdp=True)),
+    ]
+
+
+def make_batch(cfg: vit_ref.ViTConfig, batch: int, seed: int = 1) -> tuple[jax.Array, jax.Array]:
+    k_img, k_lbl = jax.random.split(jax.random.key(seed))
+    images = jax.random.normal(k_img, (batch, cfg.image, cfg.image, cfg.channels))
+    return images, jax.random.randint(k_lbl, (batch,), 0, cfg.classes)
+
+
+@functools.lru_cache(maxsize=8)
+def _reference(cfg: vit_ref.ViTConfig, batch: int, seed: int) -> dict[str, Any]:
+    params = vit_ref.init(jax.random.key(seed), dataclasses.replace(cfg, head_zeroinit=False))
+    images, labels = make_batch(cfg, batch, seed + 1)
+    logits, _ = jax.jit(vit_ref.forward, static_argnums=2)(params, images, cfg)
+    grads = jax.jit(jax.grad(vit_ref.loss_fn), static_argnums=3)(params, images, labels, cfg)
+    optimizer = verify_optimizer()
+    copy = jax.tree.map(jnp.copy, params)
+    stepped, _, _ = vit_ref.make_train_step(cfg, optimizer)(
+        copy, optimizer.init(copy), images, labels
+    )
+    return dict(
+        params=params, images=images, labels=labels, logits=logits, grads=grads, step=stepped
+    )
+
+
+def run_case(cfg: vit_ref.ViTConfig, case: Case, batch: int, seed: int = 0) -> CaseResult:
+    """Runs one case; raises PlanError before any compilation if the plan cannot work."""
+    check_plan(cfg, case.plan, batch)
+    ref = _reference(cfg, batch, seed)
+    model = ShardedViT(cfg, case.plan)
+    params = model.shard(ref["params"])
+    images, labels = model.shard_batch(ref["images"], ref["labels"])
+    errors = {
+        "logits": max_error(model.forward(params, images), ref["logits"]),
+        "grads": max_error(model.loss_and_grads(params, images, labels)[1], ref["grads"]),
+    }
+    optimizer = verify_optimizer()
+    opt_state = model.init_opt_state(optimizer, params)
+    stepped, _, _ = model.train_step(optimizer)(params, opt_state, images, labels)
+    errors["step"] = max_error(stepped, ref["step"])
+    return CaseResult(case.name, case.plan, errors, TOLERANCE[cfg.dtype])

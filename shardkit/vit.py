@@ -1,0 +1,431 @@
+"""The sharded ViT: ``vit_ref``'s model on a ``data × seq × model`` mesh, by hand in shard_map.
+
+It consumes exactly the params pytree of ``vit_ref.init`` and places it with specs derived from
+``vit_ref.param_axes`` through one rules table (``RULES``); nothing here writes a
+``PartitionSpec`` per weight.
+
+Inside the single ``shard_map`` of a step, per device (scaling-book notation, X = model,
+S = the token axes of the sp mode, B split over data):
+
+  images[B_data, H, W, C] -> embed (whole sequence) -> x[B_data, T_S, D]   (slice own tokens)
+  per block (lax.scan over stacked layers; FSDP all-gathers the layer's weights first):
+    x + attention_tp(LN(x)) over X, its core over S (local / ring / Ulysses / USP)
+    x + mlp_tp(LN(x)) over X
+  LN -> pool: psum over S of the class token or of the valid tokens -> pooled[B_data, D]
+  head -> logits[B_data, O] -> cross-entropy / global batch.
+
+Gradient collectives, all visible: params are cast to varying over the axes their gradient is
+a partial sum over (``grad_sync_axes``), autodiff runs on those, and ``data.sync_grads``
+all-reduces once per axis set. FSDP leaves come back reduce-scattered instead (the transpose
+of their all-gather). TP reductions are Megatron's f/g (or all-gather/reduce-scatter pairs for
+sp="megatron"). The optimizer update runs outside the shard_map on arrays already sharded like
+their params, so it moves nothing.
+
+Token layout: T is padded to a multiple of the token-shard count (a ViT has patches + 1
+tokens); padded keys are masked in attention and excluded from pooling; ``gap`` divides by the
+true token count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array
+
+import vit_ref
+from shardkit import data as dp
+from shardkit import sequence as sp
+from shardkit.mesh import Plan, PlanError, format_mesh, make_mesh
+from shardkit.tensor import attention_tp, mlp_tp
+from vit_ref import model as ref
+from vit_ref.train import apply_optimizer
+
+Params = dict[str, Any]
+AttentionCore = Callable[[Array, Array, Array], Array]
+
+# Logical axis -> mesh axis. "embed" goes to data only under FSDP (see ``rules``).
+RULES: dict[str, str] = {"heads": "model", "mlp": "model"}
+
+
+def rules(plan: Plan) -> dict[str, str]:
+    """The logical-to-mesh axis table for ``plan``; axes of size 1 split nothing."""
+    table = {**RULES, "embed": "data"} if plan.fsdp else dict(RULES)
+    return {name: axis for name, axis in table.items() if plan.size(axis) > 1}
+
+
+def _is_names(x: Any) -> bool:
+    return isinstance(x, tuple)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def check_plan(cfg: vit_ref.ViTConfig, plan: Plan, batch: int | None = None) -> None:
+    """Raises PlanError (one sentence: dimension, axis, sizes) if ``plan`` cannot run ``cfg``."""
+    data, seq, model = (plan.size(a) for a in ("data", "seq", "model"))
+    checks = [
+        (batch is not None and batch % data, f"batch={batch} is not divisible by data={data}"),
+        (cfg.heads % model, f"heads={cfg.heads} is not divisible by model={model}"),
+        (cfg.mlp_dim % model, f"mlp_dim={cfg.mlp_dim} is not divisible by model={model}"),
+        (
+            plan.fsdp and cfg.dim % data,
+            f"dim={cfg.dim} is not divisible by data={data} (FSDP splits the embed axis over data)",
+        ),
+        (
+            plan.sp in ("none", "megatron") and seq > 1,
+            f"sp={plan.sp!r} does not split tokens over seq, but the mesh has seq={seq}; "
+            "use --sp ring, ulysses or usp",
+        ),
+        (
+            plan.sp == "megatron" and model == 1,
+            "sp='megatron' splits tokens over the model axis, but the mesh has model=1",
+        ),
+        (
+            plan.sp in ("ring", "ulysses", "usp") and seq == 1,
+            f"sp={plan.sp!r} splits tokens over the seq axis, but the mesh has seq=1",
+        ),
+        (
+            plan.sp == "ulysses" and (cfg.heads // max(model, 1)) % seq,
+            f"sp='ulysses' needs the heads per model shard ({cfg.heads}//{model}="
+            f"{cfg.heads // model}) divisible by seq={seq}",
+        ),
+        (
+            plan.ulysses is not None and plan.sp != "usp",
+            f"--ulysses {plan.ulysses} only applies to sp='usp', not sp={plan.sp!r}",
+        ),
+    ]
+    for failed, message in checks:
+        if failed:
+            raise PlanError(message + ".")
+    if plan.sp == "usp":
+        sp.usp_factor(seq, cfg.heads // model, plan.ulysses)
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where things live for one (cfg, plan): the mesh and the token split.
+
+    Attributes:
+      mesh: the mesh the step runs on (for USP, ``sequence.usp_mesh``'s split of the seq axis).
+      token_axes: mesh axes the tokens are split over, major first (may be empty).
+      attention: "local", "ring", "ulysses" or "usp": the core run on local heads.
+      num_tokens: true token count t; padded_tokens: t rounded up to the shard count.
+    """
+
+    mesh: Mesh
+    token_axes: tuple[str, ...]
+    attention: str
+    num_tokens: int
+    padded_tokens: int
+
+    @property
+    def token_shards(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.token_axes)
+
+    @property
+    def local_tokens(self) -> int:
+        return self.padded_tokens // self.token_shards
+
+    @property
+    def padded(self) -> bool:
+        return self.padded_tokens != self.num_tokens
+
+
+def make_layout(cfg: vit_ref.ViTConfig, plan: Plan, devices: Any = None) -> Layout:
+    """The mesh and token split for ``plan`` (validated first)."""
+    check_plan(cfg, plan)
+    mesh = make_mesh(plan.mesh, devices)
+    seq, model = plan.size("seq"), plan.size("model")
+    token_axes: tuple[str, ...] = ()
+    attention = "local"
+    if plan.sp == "megatron":
+        token_axes = ("model",)
+    elif plan.sp in ("ring", "ulysses"):
+        token_axes, attention = ("seq",), plan.sp
+    elif plan.sp == "usp":
+        u = sp.usp_factor(seq, cfg.heads // model, plan.ulysses)
+        # Degenerate factors are the pure modes; only a true hybrid needs the split mesh.
+        attention = "ring" if u == 1 else "ulysses" if u == seq else "usp"
+        if attention == "usp":
+            mesh, token_axes = sp.usp_mesh(mesh, u), sp.USP_SEQ
+        else:
+            token_axes = ("seq",)
+    shards = math.prod(mesh.shape[a] for a in token_axes)
+    padded = -(-cfg.num_tokens // shards) * shards
+    return Layout(mesh, token_axes, attention, cfg.num_tokens, padded)
+
+
+def param_specs(cfg: vit_ref.ViTConfig, plan: Plan) -> Params:
+    """PartitionSpecs of every param leaf, from ``vit_ref.param_axes`` and ``rules(plan)``."""
+    table = rules(plan)
+    return jax.tree.map(
+        lambda names: P(*(table.get(n) if n else None for n in names)),
+        vit_ref.param_axes(cfg),
+        is_leaf=_is_names,
+    )
+
+
+def _fsdp_dims(axes_tree: Params, plan: Plan, drop_leading: int = 0) -> Params:
+    """Per leaf: the dim FSDP splits (the "embed" dim), or None."""
+    on = plan.fsdp and plan.size("data") > 1
+
+    def dim(names: tuple[str | None, ...]) -> int | None:
+        return names.index("embed") - drop_leading if on and "embed" in names else None
+
+    return jax.tree.map(dim, axes_tree, is_leaf=_is_names)
+
+
+def grad_sync_axes(cfg: vit_ref.ViTConfig, plan: Plan, lay: Layout) -> Params:
+    """Per leaf: the mesh axes its gradient is a partial sum over, all-reduced by ``sync_grads``.
+
+    ``data`` for every leaf not split by FSDP (those reduce-scatter instead); the token axes for
+    every leaf used on token shards (all but the head, which sees pooled features) unless the
+    leaf is already split over that axis.
+    """
+    fsdp = plan.fsdp and plan.size("data") > 1
+    specs = param_specs(cfg, plan)
+
+    def axes(path: tuple[Any, ...], spec: P) -> tuple[str, ...]:
+        used = {a for a in spec if a}
+        out = [] if (fsdp and "data" in used) or plan.size("data") == 1 else ["data"]
+        if path[0].key != "head":
+            out += [a for a in lay.token_axes if a not in used]
+        return tuple(out)
+
+    return jax.tree_util.tree_map_with_path(axes, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+# ----------------------------------------------------------------------------- per device
+
+
+def _token_ids(lay: Layout) -> Array:
+    """Global token index of each local token, [t_local] (varying over the token axes)."""
+    ids = jnp.arange(lay.local_tokens)
+    if not lay.token_axes:
+        return ids
+    return jax.lax.axis_index(lay.token_axes) * lay.local_tokens + ids
+
+
+def _embed_local(p: Params, images: Array, cfg: vit_ref.ViTConfig, lay: Layout) -> Array:
+    """x[B_data, T_S, D]: the reference embedding of the whole sequence, own tokens kept.
+
+    Embedding every token everywhere costs one small matmul and keeps the class token and
+    position embedding exactly the reference's; the blocks, where the work is, see T/S tokens.
+    """
+    x = ref.embed(p, images, cfg)
+    if not lay.token_axes:
+        return x
+    x = jnp.pad(x, ((0, 0), (0, lay.padded_tokens - lay.num_tokens), (0, 0)))
+    start = jax.lax.axis_index(lay.token_axes) * lay.local_tokens
+    return jax.lax.dynamic_slice_in_dim(x, start, lay.local_tokens, axis=1)
+
+
+def _attention_core(lay: Layout, key_valid: Array | None) -> AttentionCore:
+    """The attention run on local heads: q, k, v[B, T_S, H_X, K] -> o[B, T_S, H_X, K]."""
+    cores: dict[str, Callable[..., tuple[Array, Array]]] = {
+        "local": sp.attention_local,
+        "ring": functools.partial(sp.attention_ring, axis="seq"),
+        "ulysses": functools.partial(sp.attention_ulysses, axis="seq"),
+        "usp": functools.partial(
+            sp.attention_usp, ulysses_axis=sp.SEQ_ULYSSES, ring_axis=sp.SEQ_RING
+        ),
+    }
+    core = cores[lay.attention]
+    return lambda q, k, v: core(q, k, v, key_valid)[0]
+
+
+def _block_local(
+    x: Array, p: Params, key_valid: Array | None, cfg: vit_ref.ViTConfig, lay: Layout
+) -> Array:
+    """One pre-LN block on local tokens with heads / MLP hidden split over ``model``."""
+    dtype = ref.compute_dtype(cfg)
+    model = "model" if lay.mesh.shape["model"] > 1 else None
+    token_dim = 1 if lay.token_axes == ("model",) else None  # Megatron-SP
+    core = _attention_core(lay, key_valid)
+    h = ref.layer_norm(x, p["ln1"])
+    x = x + attention_tp(h, p["attn"], model, core, dtype, token_dim=token_dim).astype(x.dtype)
+    h = ref.layer_norm(x, p["ln2"])
+    return x + mlp_tp(h, p["mlp"], model, ref.gelu, dtype, token_dim=token_dim).astype(x.dtype)
+
+
+def _encoder_local(
+    x: Array, blocks: Params, cfg: vit_ref.ViTConfig, plan: Plan, lay: Layout
+) -> Array:
+    """lax.scan over the stacked layers; FSDP gathers each layer's weights inside the body."""
+    dims = _fsdp_dims(vit_ref.param_axes(cfg)["blocks"], plan, drop_leading=1)
+    ids = _token_ids(lay)
+    key_valid = ids < lay.num_tokens if lay.padded else None
+    if lay.token_axes == ("model",) and lay.padded:  # Megatron-SP attends over all tokens
+        key_valid = jnp.arange(lay.padded_tokens) < lay.num_tokens
+
+    def body(x: Array, p_layer: Params) -> tuple[Array, None]:
+        p_layer = dp.fsdp_gather(p_layer, dims)
+        return _block_local(x, p_layer, key_valid, cfg, lay), None
+
+    if plan.remat:
+        body = jax.checkpoint(body)
+    x, _ = jax.lax.scan(body, x, blocks)
+    return x
+
+
+def _pool_local(x: Array, cfg: vit_ref.ViTConfig, lay: Layout) -> Array:
+    """pooled[B, D]: the class token or the mean of the valid tokens, summed over token shards."""
+    if not lay.token_axes:
+        return ref.pool(x, cfg)
+    ids = _token_ids(lay)
+    keep = ids == 0 if cfg.pool == "tok" else ids < lay.num_tokens
+    partial = jnp.where(keep[None, :, None], x, 0.0).sum(axis=1)
+    # Bring the class token (or the token sum) from the shards that hold it to every device.
+    pooled = jax.lax.psum(partial, lay.token_axes)
+    return pooled if cfg.pool == "tok" else pooled / lay.num_tokens
+
+
+def _logits_local(
+    params: Params, images: Array, cfg: vit_ref.ViTConfig, plan: Plan, lay: Layout
+) -> Array:
+    """logits[B_data, O] from local params (FSDP fragments gathered here) and local images."""
+    axes = vit_ref.param_axes(cfg)
+    outer = {k: v for k, v in params.items() if k != "blocks"}
+    outer = dp.fsdp_gather(outer, _fsdp_dims({k: axes[k] for k in outer}, plan))
+    x = _embed_local(outer, images, cfg, lay)
+    x = _encoder_local(x, params["blocks"], cfg, plan, lay)
+    pooled = _pool_local(ref.layer_norm(x, outer["encoder_norm"]), cfg, lay)
+    logits = ref.dense(pooled, outer["head"], "bd,do->bo", ref.compute_dtype(cfg))
+    return logits.astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------- public
+
+
+class ShardedViT:
+    """``vit_ref``'s ViT run by hand on a mesh: place params, forward, gradients, train step.
+
+    ``model = ShardedViT(cfg, plan)``; ``params = model.shard(vit_ref.init(key, cfg))``;
+    ``model.forward(params, images)``; ``model.loss_and_grads(params, images, labels)``;
+    ``model.train_step(optimizer)`` returns a jitted step with params and optimizer state
+    donated. Compiled functions are built once per instance and shared.
+    """
+
+    def __init__(self, cfg: vit_ref.ViTConfig, plan: Plan, devices: Any = None) -> None:
+        self.cfg, self.plan = cfg, plan
+        self.layout = make_layout(cfg, plan, devices)
+        self.mesh = self.layout.mesh
+        self.specs = param_specs(cfg, plan)
+        self.sync_axes = grad_sync_axes(cfg, plan, self.layout)
+        # Size-1 axes split nothing and appear in no spec (so no value is typed varying on them).
+        self.batch_spec = P("data") if plan.size("data") > 1 else P()
+        self._steps: dict[int, Callable[..., Any]] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedViT(mesh={format_mesh(self.plan.mesh)}, sp={self.plan.sp!r}, "
+            f"fsdp={self.plan.fsdp}, remat={self.plan.remat})"
+        )
+
+    def sharding(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    def shard(self, params: Params) -> Params:
+        """Places a copy of a ``vit_ref.init`` pytree on the mesh, each leaf split per its spec.
+
+        Always a copy (never aliasing ``params``' buffers), so donating the result to
+        ``train_step`` leaves the caller's arrays alive.
+        """
+        # An explicit copy: device_put(may_alias=False) still reuses a source buffer that already
+        # lives on a target device (measured on jax 0.10.2), and donation would then delete it.
+        shardings = jax.tree.map(self.sharding, self.specs)
+        return jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings)(params)
+
+    def shard_batch(self, *arrays: Array) -> tuple[Array, ...]:
+        """Splits arrays along their first (batch) dim over ``data``."""
+        self.check_batch(arrays[0].shape[0])
+        return tuple(jax.device_put(a, self.sharding(self.batch_spec)) for a in arrays)
+
+    def check_batch(self, batch: int) -> None:
+        check_plan(self.cfg, self.plan, batch)
+
+    def _shard_map(self, body: Callable[..., Any], in_specs: Any, out_specs: Any) -> Any:
+        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+
+    @functools.cached_property
+    def forward(self) -> Callable[[Params, Array], Array]:
+        """Jitted ``(params, images[B, H, W, C]) -> logits[B, O]`` (batch split over data)."""
+
+        def body(params: Params, images: Array) -> Array:
+            return _logits_local(params, images, self.cfg, self.plan, self.layout)
+
+        return jax.jit(self._shard_map(body, (self.specs, self.batch_spec), self.batch_spec))
+
+    def _loss_and_grads_local(self, params: Params, images: Array, labels: Array):
+        global_batch = images.shape[0] * self.mesh.shape["data"]
+
+        def loss_local(p: Params) -> Array:
+            logits = _logits_local(p, images, self.cfg, self.plan, self.layout)
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+            return ce.sum() / global_batch
+
+        # Cast params varying over the axes their gradients are partial sums over, so autodiff
+        # leaves those sums alone and sync_grads reduces them explicitly, bucketed.
+        loss, grads = jax.value_and_grad(loss_local)(dp.vary(params, self.sync_axes))
+        grads = dp.sync_grads(grads, self.sync_axes)
+        if self.mesh.shape["data"] > 1:
+            # The loss value (for logging): sum of the per-shard means.
+            loss = jax.lax.psum(loss, "data")
+        return loss, grads
+
+    @functools.cached_property
+    def loss_and_grads(self) -> Callable[[Params, Array, Array], tuple[Array, Params]]:
+        """Jitted ``(params, images, labels) -> (loss, grads)``; grads are sharded like params."""
+        in_specs = (self.specs, self.batch_spec, self.batch_spec)
+        return jax.jit(self._shard_map(self._loss_and_grads_local, in_specs, (P(), self.specs)))
+
+    def init_opt_state(self, optimizer: optax.GradientTransformation, params: Params) -> Any:
+        """The optimizer state, each param-shaped leaf sharded like its param."""
+        shapes = jax.eval_shape(optimizer.init, params)
+        shardings = optax.tree_map_params(
+            optimizer,
+            lambda _, spec: self.sharding(spec),
+            shapes,
+            self.specs,
+            transform_non_params=lambda _: self.sharding(P()),
+            is_leaf=lambda x: isinstance(x, P),
+        )
+        return jax.jit(optimizer.init, out_shardings=shardings)(params)
+
+    def train_step(self, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
+        """Jitted ``(params, opt_state, images, labels) -> (params, opt_state, {"loss"})``.
+
+        params and opt_state are donated. The update is elementwise on arrays sharded like
+        their params, so it adds no communication.
+        """
+        key = id(optimizer)
+        if key not in self._steps:
+            grad_fn = self._shard_map(
+                self._loss_and_grads_local,
+                (self.specs, self.batch_spec, self.batch_spec),
+                (P(), self.specs),
+            )
+
+            def step(params: Params, opt_state: Any, images: Array, labels: Array):
+                loss, grads = grad_fn(params, images, labels)
+                params, opt_state = apply_optimizer(optimizer, grads, opt_state, params)
+                return params, opt_state, {"loss": loss}
+
+            self._steps[key] = jax.jit(step, donate_argnums=(0, 1))
+        return self._steps[key]
+
+
+del np
