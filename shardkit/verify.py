@@ -28,6 +28,16 @@ from shardkit.mesh import Plan, format_mesh
 from shardkit.testing import max_error
 from shardkit.vit import ShardedViT, check_plan
 
+__all__ = [
+    "Case",
+    "CaseResult",
+    "check_plan",
+    "default_matrix",
+    "format_header",
+    "format_row",
+    "run_case",
+]
+
 TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2}
 # bf16 bound: both runs round matmul inputs to 8 mantissa bits (2^-9 ≈ 2e-3 relative) in a
 # different order; over a few layers and the backward pass that compounds to ~1e-2.
@@ -123,3 +133,25 @@ def run_case(cfg: vit_ref.ViTConfig, case: Case, batch: int, seed: int = 0) -> C
     stepped, _, _ = model.train_step(optimizer)(params, opt_state, images, labels)
     errors["step"] = max_error(stepped, ref["step"])
     return CaseResult(case.name, case.plan, errors, TOLERANCE[cfg.dtype])
+
+
+_COLUMNS = "{:<20} {:<22} {:<9} {:<5} {:>9} {:>9} {:>9} {:>7}  {}"
+
+
+def format_header() -> str:
+    return _COLUMNS.format("case", "mesh", "sp", "fsdp", "logits", "grads", "step", "tol", "ok")
+
+
+def format_row(r: CaseResult) -> str:
+    e = r.errors
+    return _COLUMNS.format(
+        r.name,
+        format_mesh(r.plan.mesh),
+        r.plan.sp,
+        "yes" if r.plan.fsdp else "no",
+        f"{e['logits']:.1e}",
+        f"{e['grads']:.1e}",
+        f"{e['step']:.1e}",
+        f"{r.tolerance:.0e}",
+        "✓" if r.ok else "✗",
+    )
