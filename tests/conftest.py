@@ -11,6 +11,9 @@ import jax
 from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_num_cpu_devices", 8)
+# Start the backend now, so in-process CLI calls (which ask for --devices N) find 8 devices
+# whatever the test order.
+assert len(jax.devices()) == 8
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

@@ -1,0 +1,87 @@
+"""End-to-end tests of the ``shardkit`` command: the default matrix, --json, bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from shardkit import cli
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "shardkit.cli", *argv], capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.slow
+def test_verify_default_matrix_passes(capsys):
+    assert cli.main(["verify", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is True
+    names = [case["name"] for case in report["cases"]]
+    for strategy in (
+        "DP",
+        "TP",
+        "DP×TP",
+        "FSDP",
+        "FSDP×TP",
+        "Megatron-SP",
+        "ring",
+        "Ulysses",
+        "USP",
+    ):
+        assert strategy in names
+    assert any(case["mesh"] == "data=2,seq=2,model=2" for case in report["cases"])
+    for case in report["cases"]:
+        assert set(case) >= {"name", "mesh", "sp", "fsdp", "ok", "errors", "tolerance"}
+        assert set(case["errors"]) == {"logits", "grads", "step"}
+        assert max(case["errors"].values()) <= case["tolerance"] == 1e-5
+
+
+def test_verify_one_plan_prints_a_table(capsys):
+    argv = ["verify", "--mesh", "data=2,seq=2", "--devices", "4", "--sp", "ring", "--pool", "gap"]
+    assert cli.main([*argv, "--depth", "2", "--dim", "32", "--heads", "4", "--batch", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:4] == ["case", "mesh", "sp", "fsdp"]
+    assert "data=2,seq=2,model=1" in out[1] and out[1].rstrip().endswith("✓")
+    assert out[-1].startswith("1/1 cases match vit_ref")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--mesh", "data=3"], "uses 3 devices but --devices is 8"),
+        (
+            ["--mesh", "data=2,model=4", "--heads", "6", "--dim", "48"],
+            "heads=6 is not divisible by model=4",
+        ),
+        (["--mesh", "data=8", "--batch", "12"], "batch=12 is not divisible by data=8"),
+        (["--mesh", "data=2,model=4", "--mlp-dim", "6"], "mlp_dim=6 is not divisible by model=4"),
+        (["--mesh", "data=2,pipeline=4"], "Unknown mesh axis 'pipeline'"),
+        (["--mesh", "data=8", "--sp", "ring"], "the mesh has seq=1"),
+        (
+            ["--mesh", "seq=8", "--sp", "ulysses", "--heads", "4", "--dim", "32"],
+            "divisible by seq=8",
+        ),
+        (["--mesh", "seq=8", "--sp", "usp", "--ulysses", "3"], "Ulysses degree 3"),
+        (["--sp", "bogus"], "invalid choice: 'bogus'"),
+        (["--variant", "H/14"], "Unknown ViT variant 'H/14'"),
+        (["--image", "30"], "image=30 is not divisible by ViTConfig.patch=4"),
+    ],
+)
+def test_bad_input_is_one_line_on_stderr_and_exit_2(argv, message, capsys):
+    assert cli.main(["verify", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shardkit: error: ")
+    assert message in lines[0]
+
+
+def test_bad_input_from_a_fresh_process_has_no_traceback():
+    result = run_cli("verify", "--mesh", "data=2,model=4", "--heads", "6", "--dim", "48")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "shardkit: error: heads=6 is not divisible by model=4."
+    assert "Traceback" not in result.stderr and result.stdout == ""
