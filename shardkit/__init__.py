@@ -30,7 +30,17 @@ from shardkit.collectives import (
     ring_reduce_scatter,
     ring_shift,
 )
-from shardkit.mesh import AXES, SP_MODES, Plan, PlanError, make_mesh, parse_mesh, set_cpu_devices
+from shardkit.mesh import (
+    AXES,
+    SP_MODES,
+    Plan,
+    PlanError,
+    format_mesh,
+    logical_specs,
+    make_mesh,
+    parse_mesh,
+    set_cpu_devices,
+)
 from shardkit.vit import ShardedViT, check_plan
 
 __all__ = [
@@ -48,6 +58,8 @@ __all__ = [
     "bidir_all_reduce",
     "bidir_reduce_scatter",
     "check_plan",
+    "format_mesh",
+    "logical_specs",
     "make_mesh",
     "megatron_f",
     "megatron_g",

@@ -146,7 +146,13 @@ def zero1_update(
     w_frag = jax.tree.map(local_param, params, dims_tree, is_leaf=is_none)
     apply = apply or _optax_apply
     w_frag, opt_state_frag = apply(optimizer, g_frag, opt_state_frag, w_frag)
-    return fsdp_gather(w_frag, dims_tree, axis), opt_state_frag
+    return jax.tree.map(gather_invariant, w_frag, dims_tree, is_leaf=is_none), opt_state_frag
+
+
+def gather_invariant(x: Array, dim: int | None, axis: str = "data") -> Array:
+    """All-gather typed invariant (every device provably holds the same result) for ZeRO-1."""
+    # ZeRO-1: reassemble the updated params from every device's slice.
+    return x if dim is None else jax.lax.all_gather(x, axis, axis=dim, tiled=True, to="invarying")
 
 
 def _optax_apply(

@@ -14,10 +14,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
 
 AXES = ("data", "seq", "model")
 SP_MODES = ("none", "megatron", "ring", "ulysses", "usp")
@@ -122,3 +124,17 @@ class Plan:
 
     def size(self, axis: str) -> int:
         return self.mesh[axis]
+
+
+def logical_specs(axes_tree: Any, rules: dict[str, str]) -> Any:
+    """PartitionSpecs from logical axis names: one rules table, no per-weight ``P(...)``.
+
+    ``axes_tree`` holds, per array, a tuple of logical names (or None) per dim, e.g.
+    ``("embed", "mlp")``; ``rules`` maps logical names to mesh axes, e.g.
+    ``{"mlp": "model", "embed": "data"}``. Unmapped names are replicated.
+    """
+    return jax.tree.map(
+        lambda names: P(*(rules.get(n) if n else None for n in names)),
+        axes_tree,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )

@@ -45,7 +45,7 @@ from jaxtyping import Array
 import vit_ref
 from shardkit import data as dp
 from shardkit import sequence as sp
-from shardkit.mesh import Plan, PlanError, format_mesh, make_mesh
+from shardkit.mesh import Plan, PlanError, format_mesh, logical_specs, make_mesh
 from shardkit.tensor import attention_tp, mlp_tp
 from vit_ref import model as ref
 from vit_ref.train import apply_optimizer
@@ -170,12 +170,7 @@ def make_layout(cfg: vit_ref.ViTConfig, plan: Plan, devices: Any = None) -> Layo
 
 def param_specs(cfg: vit_ref.ViTConfig, plan: Plan) -> Params:
     """PartitionSpecs of every param leaf, from ``vit_ref.param_axes`` and ``rules(plan)``."""
-    table = rules(plan)
-    return jax.tree.map(
-        lambda names: P(*(table.get(n) if n else None for n in names)),
-        vit_ref.param_axes(cfg),
-        is_leaf=_is_names,
-    )
+    return logical_specs(vit_ref.param_axes(cfg), rules(plan))
 
 
 def _fsdp_dims(axes_tree: Params, plan: Plan, drop_leading: int = 0) -> Params:
