@@ -98,13 +98,17 @@ def meshes(draw: st.DrawFn, max_devices: int = 8, axes: tuple[str, ...] = AXES) 
 def vit_configs(
     draw: st.DrawFn, heads_multiple: int = 1, mlp_multiple: int = 1, dim_multiple: int = 1
 ) -> vit_ref.ViTConfig:
-    """A small random ViT (depth ≥ 2, both pools, both posembs, random head) for CPU tests."""
+    """A small random ViT (depth ≥ 2, both pools, both posembs, random head) for CPU tests.
+
+    Images hold 1 to 16 patches: tiny ones give fewer tokens than a sequence-parallel axis has
+    devices (blocks of pure padding), larger ones token counts that do not divide.
+    """
     heads = heads_multiple * draw(st.integers(1, 2))
     head_dim = draw(st.sampled_from([4, 8]))
-    dim = heads * head_dim
-    dim = math.lcm(dim, dim_multiple, 4)
+    dim = math.lcm(heads * head_dim, dim_multiple, 4)
+    dim *= -(-8 // dim)  # sincos2d needs dim ≥ 8; a multiple keeps every divisibility
     patch = draw(st.sampled_from([2, 4]))
-    grid = draw(st.integers(2, 4))
+    grid = draw(st.integers(1, 4))
     return vit_ref.ViTConfig(
         image=patch * grid,
         patch=patch,
@@ -123,14 +127,24 @@ def vit_configs(
 SEQ_MODES = ("ring", "ulysses", "usp")
 
 
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 @st.composite
 def sharded_cases(
     draw: st.DrawFn,
     max_devices: int = 8,
     sp_modes: tuple[str, ...] = ("none",),
     fsdp: bool | None = None,
+    remat: bool | None = None,
 ) -> tuple[vit_ref.ViTConfig, Plan, int]:
-    """(cfg, plan, batch) that fit each other: every divisibility constraint holds."""
+    """(cfg, plan, batch) that fit each other: every divisibility constraint holds.
+
+    ``fsdp`` / ``remat``: None draws them. For ``usp`` the Ulysses degree u is drawn among the
+    divisors of the seq size (heads per model shard then divide by u) and given explicitly or
+    left to the automatic choice, so true hybrids (1 < u < seq) occur, not only the pure ends.
+    """
     sp = draw(st.sampled_from(sp_modes))
     axes = ("data", "model") if sp in ("none", "megatron") else AXES
     mesh = draw(meshes(max_devices, axes))
@@ -138,7 +152,14 @@ def sharded_cases(
     if (sp == "megatron" and mesh["model"] == 1) or (sp in SEQ_MODES and mesh["seq"] == 1):
         sp = "none"
     use_fsdp = draw(st.booleans()) if fsdp is None else fsdp
-    heads_multiple = mesh["model"] * (mesh["seq"] if sp == "ulysses" else 1)
+    use_remat = draw(st.booleans()) if remat is None else remat
+    ulysses = {"ulysses": mesh["seq"]}.get(sp, 1)
+    explicit_ulysses = None
+    if sp == "usp":
+        ulysses = draw(st.sampled_from(_divisors(mesh["seq"])))
+        explicit_ulysses = draw(st.sampled_from([None, ulysses]))
+    heads_multiple = mesh["model"] * ulysses
     cfg = draw(vit_configs(heads_multiple, mesh["model"], mesh["data"] if use_fsdp else 1))
     batch = mesh["data"] * draw(st.integers(1, 2))
-    return cfg, Plan(mesh, sp=sp, fsdp=use_fsdp), batch
+    plan = Plan(mesh, sp=sp, ulysses=explicit_ulysses, fsdp=use_fsdp, remat=use_remat)
+    return cfg, plan, batch
