@@ -6,6 +6,7 @@ Bad arguments print one line on stderr and exit 2; a failed verification exits 1
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections.abc import Sequence
@@ -54,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_opts(verify)
     _add_plan_opts(verify)
     verify.add_argument("--json", action="store_true", help="print one JSON object")
+    inspect = sub.add_parser("inspect", help="collectives of the compiled train step vs the model")
+    _add_model_opts(inspect)
+    _add_plan_opts(inspect)
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    inspect.add_argument("--hlo", metavar="FILE", help="write the compiled HLO text here")
+    inspect.add_argument("--plot", metavar="FILE.png", help="draw the collective pattern here")
     return parser
 
 
@@ -121,10 +128,26 @@ def run_verify(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def run_inspect(args: argparse.Namespace) -> int:
+    from shardkit import report
+
+    _setup_devices(args.devices)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs matplotlib: pip install 'shardkit[plot]'.")
+    cfg = model_config(args)
+    result = report.inspect(cfg, plan_from_args(args), args.batch, hlo_path=args.hlo)
+    if args.plot:
+        from shardkit.plot import plot_report
+
+        plot_report(result, args.plot)
+    print(json.dumps(result.to_json()) if args.json else result.format())
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return {"verify": run_verify}[args.command](args)
+        return {"verify": run_verify, "inspect": run_inspect}[args.command](args)
     except (UsageError, ValueError) as err:  # PlanError and config errors are ValueErrors
         print(f"shardkit: error: {err}", file=sys.stderr)
         return 2

@@ -3,7 +3,9 @@
 For a (cfg, plan, batch) case this runs vit_ref and the sharded ViT on the same random params
 (head drawn randomly, so logits depend on the body) and batch, and reports the worst
 per-leaf relative L2 error of (1) the logits, (2) every gradient leaf, (3) every param after
-one AdamW step. See ``shardkit.testing`` for the error definition.
+one AdamW step. See ``shardkit.testing`` for the error definition. It also compiles the train
+step and holds its collectives to ``shardkit.cost`` (counts equal, bytes within 1%): the
+"sent MB" and "model MB" columns are bytes sent per device per step, measured and expected.
 
 The optimizer is AdamW with eps=1e-4 instead of optax's 1e-8. Some gradients are analytically
 zero (the key-projection bias: softmax ignores a per-query constant), so both runs hold only
@@ -25,6 +27,7 @@ import optax
 
 import vit_ref
 from shardkit.mesh import Plan, format_mesh
+from shardkit.report import model_report
 from shardkit.testing import max_error
 from shardkit.vit import ShardedViT, check_plan
 
@@ -55,14 +58,23 @@ class Case:
 
 @dataclasses.dataclass(frozen=True)
 class CaseResult:
+    """Errors against vit_ref, and the compiled step's bytes against ``shardkit.cost``."""
+
     name: str
     plan: Plan
     errors: dict[str, float]
     tolerance: float
+    measured_bytes: float
+    expected_bytes: float
+    contract_ok: bool
+
+    @property
+    def numerics_ok(self) -> bool:
+        return all(e <= self.tolerance for e in self.errors.values())
 
     @property
     def ok(self) -> bool:
-        return all(e <= self.tolerance for e in self.errors.values())
+        return self.numerics_ok and self.contract_ok
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -73,6 +85,9 @@ class CaseResult:
             "ok": self.ok,
             "errors": self.errors,
             "tolerance": self.tolerance,
+            "measured_bytes_sent": self.measured_bytes,
+            "expected_bytes_sent": self.expected_bytes,
+            "contract_ok": self.contract_ok,
         }
 
 
@@ -132,14 +147,25 @@ def run_case(cfg: vit_ref.ViTConfig, case: Case, batch: int, seed: int = 0) -> C
     opt_state = model.init_opt_state(optimizer, params)
     stepped, _, _ = model.train_step(optimizer)(params, opt_state, images, labels)
     errors["step"] = max_error(stepped, ref["step"])
-    return CaseResult(case.name, case.plan, errors, TOLERANCE[cfg.dtype])
+    contract = model_report(model, batch, optimizer)
+    return CaseResult(
+        case.name,
+        case.plan,
+        errors,
+        TOLERANCE[cfg.dtype],
+        contract.measured_bytes_sent,
+        contract.expected_bytes_sent,
+        contract.contract_ok,
+    )
 
 
-_COLUMNS = "{:<20} {:<22} {:<9} {:<5} {:>9} {:>9} {:>9} {:>7}  {}"
+_COLUMNS = "{:<20} {:<22} {:<9} {:<5} {:>8} {:>8} {:>8} {:>6} {:>10} {:>10}  {}"
 
 
 def format_header() -> str:
-    return _COLUMNS.format("case", "mesh", "sp", "fsdp", "logits", "grads", "step", "tol", "ok")
+    return _COLUMNS.format(
+        "case", "mesh", "sp", "fsdp", "logits", "grads", "step", "tol", "sent MB", "model MB", "ok"
+    )
 
 
 def format_row(r: CaseResult) -> str:
@@ -153,5 +179,7 @@ def format_row(r: CaseResult) -> str:
         f"{e['grads']:.1e}",
         f"{e['step']:.1e}",
         f"{r.tolerance:.0e}",
-        "✓" if r.ok else "✗",
+        f"{r.measured_bytes / 1e6:.3f}",
+        f"{r.expected_bytes / 1e6:.3f}",
+        ("✓" if r.numerics_ok else "✗ numerics") + ("" if r.contract_ok else " ✗ contract"),
     )

@@ -38,6 +38,8 @@ def test_verify_default_matrix_passes(capsys):
         assert set(case) >= {"name", "mesh", "sp", "fsdp", "ok", "errors", "tolerance"}
         assert set(case["errors"]) == {"logits", "grads", "step"}
         assert max(case["errors"].values()) <= case["tolerance"] == 1e-5
+        assert case["contract_ok"] is True
+        assert case["measured_bytes_sent"] == pytest.approx(case["expected_bytes_sent"], rel=0.01)
 
 
 def test_verify_one_plan_prints_a_table(capsys):
@@ -47,6 +49,33 @@ def test_verify_one_plan_prints_a_table(capsys):
     assert out[0].split()[:4] == ["case", "mesh", "sp", "fsdp"]
     assert "data=2,seq=2,model=1" in out[1] and out[1].rstrip().endswith("✓")
     assert out[-1].startswith("1/1 cases match vit_ref")
+
+
+SMALL = ["--depth", "2", "--dim", "32", "--heads", "4", "--batch", "4"]
+
+
+def test_inspect_json_hlo_and_plot(tmp_path, capsys):
+    hlo, png = tmp_path / "step.hlo", tmp_path / "pattern.png"
+    argv = ["inspect", "--mesh", "data=2,seq=2", "--devices", "4", "--sp", "ulysses", *SMALL]
+    assert cli.main([*argv, "--json", "--hlo", str(hlo), "--plot", str(png)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) >= {"collectives", "measured_bytes_sent", "expected_bytes_sent", "memory"}
+    assert set(report["memory"]) >= {"argument", "output", "temp"}
+    kinds = {row["kind"] for row in report["collectives"]}
+    assert "all-to-all" in kinds
+    for row in report["collectives"]:
+        assert set(row) >= {"kind", "axes", "count", "bytes_sent"}
+        assert row["count"] == row["expected_count"]
+    assert report["measured_bytes_sent"] == pytest.approx(report["expected_bytes_sent"], rel=0.01)
+    assert "all-to-all" in hlo.read_text()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_inspect_table(capsys):
+    assert cli.main(["inspect", "--mesh", "data=2,model=2", "--devices", "4", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "all-reduce" in out and "measured / expected bytes: 1.0000" in out
+    assert "contract: ✓ holds" in out
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,671 @@
+"""The cost model: the collectives one train step of ``ShardedViT`` must run, derived on paper.
+
+``expected(cfg, plan, batch)`` lists, for one full step (forward + backward + update) of
+``ShardedViT.train_step``, every collective it needs: kind, the mesh axes it spans, how many
+times it runs per step and the bytes one device sends, each :class:`Term` with the reason it is
+necessary. Nothing here compiles or measures anything: the numbers come from the config and the
+plan alone, so comparing them with ``shardkit.ledger``'s measurement of the compiled program
+(``shardkit.report``) is a real check, the "communication contract" of DESIGN.md.
+
+Notation (scaling book; the dimension alphabet of ``vit_ref``)
+  ``x[I_X, J]``: dim I split over mesh axis X; ``{U_X}``: an unreduced partial sum over X.
+  n_data, n_seq, n_model: axis sizes. l layers, d width, f MLP hidden, h heads, k = d/h head
+  dim, o classes, w = 4 bytes (float32 word).
+  b = batch / n_data                     local batch
+  T = patches (+ 1 class token for pool="tok"); S = the token-shard count (n_model for
+  sp="megatron", n_seq for ring / Ulysses / USP, else 1); T' = T rounded up to a multiple of S
+  (padding); t = T' / S local tokens.
+  h_X = h / n_model local heads; A = b·t·d elements of one activation; E = b·t·h_X·k elements
+  of one local q, k or v block.
+
+Ring model, bytes SENT per device (DESIGN.md), V the bytes named:
+  all-reduce 2(n−1)/n·V; all-gather (n−1)/n·V of its output; reduce-scatter (n−1)/n·V of its
+  input; all-to-all (n−1)/n·V local; collective-permute V.
+
+Per strategy (each ``_*_terms`` function states its own formulas and why each is the minimum):
+  DP        AR_data of the gradients 2(n−1)/n·P·w; buckets by (sync axes, varying axes, dtype).
+  ZeRO-1    RS_data of the gradients + AG_data of the params: 2(n−1)/n·P·w (``zero1_terms``).
+  FSDP      per leaf AG_data forward, RS_data backward: 2(n−1)/n·P·w; with remat the block
+            weights are gathered again in backward: ≈ 3(n−1)/n·P·w.
+  TP        per block 2 AR_model forward (Megatron g) + 2 backward (Megatron f): 4·l·2(n−1)/n·A·w.
+  Megatron-SP  the same bytes as 4 AG + 4 RS per block over the full sequence T'.
+  ring      2(n−1) K/V hops forward; 2(n−1) K/V + 2n dK/dV hops backward, per block.
+  Ulysses   4 all-to-alls (q, k, v, out) forward and 4 backward per block.
+  USP       Ulysses over seq_ulysses (u) around a ring over seq_ring (r = n_seq / u).
+Compositions add: every term depends only on the axes it uses.
+
+Op counts are those of the compiled CPU program. Where XLA's CPU pipeline merges or hoists
+collectives, the term says so: the step-end all-reduces over the same devices (gradient buckets
+and the loss) run as ONE combined op (the all-reduce combiner); an attention mask that is the
+same in every layer is sent once, outside the layer loop (JAX's scan partial evaluation hoists
+loop-invariant work); and identical collectives left outside loops are merged (CSE). Under
+``plan.remat`` the rematerialised forward re-runs its collectives, except those whose results
+the backward does not read. With remat on a one-layer model XLA merges an unpredictable part
+of the re-run with the forward, so there the terms are an upper bound (``Expectation.exact``).
+bfloat16 compute: CPU XLA widens bf16 collectives to float32, so every activation collective
+is priced at 4 bytes per element on ``platform="cpu"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Iterable
+
+import jax
+
+import vit_ref
+from shardkit.ledger import Tally
+from shardkit.mesh import AXES, Plan
+from shardkit.sequence import SEQ_RING, SEQ_ULYSSES, USP_AXES, usp_factor
+from shardkit.vit import check_plan
+
+Axes = tuple[str, ...]
+Key = tuple[str, Axes]
+WORD = 4  # float32: params, gradients, residual stream, LayerNorm outputs
+STEP_END = "step end"  # fusion group: XLA's combiner merges these all-reduces per device group
+
+
+# ----------------------------------------------------------------------------- ring model
+
+
+def all_reduce_bytes(v: float, n: int) -> float:
+    """AllReduce of V bytes over n devices (reduce-scatter + all-gather): 2(n−1)/n · V."""
+    return 2 * (n - 1) / n * v
+
+
+def all_gather_bytes(v: float, n: int) -> float:
+    """AllGather producing V bytes over n devices: (n−1)/n · V."""
+    return (n - 1) / n * v
+
+
+def reduce_scatter_bytes(v: float, n: int) -> float:
+    """ReduceScatter of an input of V bytes over n devices: (n−1)/n · V."""
+    return (n - 1) / n * v
+
+
+def all_to_all_bytes(v: float, n: int) -> float:
+    """AllToAll of V local bytes over n devices (each keeps 1/n): (n−1)/n · V."""
+    return (n - 1) / n * v
+
+
+def permute_bytes(v: float) -> float:
+    """CollectivePermute of V bytes: every device sends its whole block once: V."""
+    return float(v)
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    """One expected collective (or a family of identical ones) of a step.
+
+    Attributes:
+      kind: a ``shardkit.ledger.KINDS`` name.
+      axes: the mesh axes its device groups span, in mesh order.
+      count: executions per step (a collective in the layer loop counts l times).
+      bytes_sent: bytes one device sends over all ``count`` executions (ring model).
+      what: what moves and why the step cannot do without it.
+      phase: "forward", "backward", "recompute" (remat's second forward) or "step end".
+      fused: terms with the same (kind, axes) and the same non-None ``fused`` group run as one
+        op (XLA's all-reduce combiner); their counts are not added.
+    """
+
+    kind: str
+    axes: Axes
+    count: int
+    bytes_sent: float
+    what: str
+    phase: str
+    fused: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Expectation:
+    """The expected collectives of one train step: the contract the compiled program must meet.
+
+    ``exact`` is False for remat on a one-layer model: with no layer loop left between them
+    (JAX adds no CSE barrier to a remat inside ``scan``), XLA merges some of the re-run
+    forward's collectives with the forward's, how many depending on its pass order. The terms
+    are then an upper bound, and ``compare(..., exact=False)`` checks measured <= expected.
+    """
+
+    cfg: vit_ref.ViTConfig
+    plan: Plan
+    batch: int
+    terms: tuple[Term, ...]
+
+    @property
+    def exact(self) -> bool:
+        return not (self.plan.remat and self.cfg.depth == 1)
+
+    def summary(self) -> dict[Key, Tally]:
+        """(kind, axes) -> op executions per step and bytes sent per device (fused ops once)."""
+        out: dict[Key, Tally] = {}
+        seen: set[tuple[str, Axes, str]] = set()
+        for term in self.terms:
+            key = (term.kind, term.axes)
+            count = term.count
+            if term.fused is not None:
+                count = 0 if (*key, term.fused) in seen else 1
+                seen.add((*key, term.fused))
+            t = out.get(key, Tally(0, 0.0))
+            out[key] = Tally(t.count + count, t.bytes_sent + term.bytes_sent)
+        return out
+
+    def total_bytes_sent(self) -> float:
+        """Bytes one device sends per step, over every collective."""
+        return sum(term.bytes_sent for term in self.terms)
+
+    def format(self) -> str:
+        """One line per term: kind, axes, count, bytes, phase and why."""
+        lines = [f"{'collective':<20}{'axes':<26}{'count':>7}{'bytes sent':>14}  phase: why"]
+        for t in self.terms:
+            axes = ",".join(t.axes) or "-"
+            phase = t.phase + (" (fused)" if t.fused else "")
+            lines.append(
+                f"{t.kind:<20}{axes:<26}{t.count:>7}{t.bytes_sent:>14,.0f}  {phase}: {t.what}"
+            )
+        lines.append(f"{'total per device':<53}{self.total_bytes_sent():>14,.0f}")
+        return "\n".join(lines)
+
+
+def compare(
+    expected: dict[Key, Tally],
+    measured: dict[Key, Tally],
+    rtol: float = 0.01,
+    *,
+    exact: bool = True,
+) -> list[str]:
+    """Where a measured summary breaks the contract: one sentence per (kind, axes), [] if none.
+
+    The contract: the same (kind, axes) keys, equal op counts, and bytes within ``rtol``. With
+    ``exact=False`` (``Expectation.exact``) the expectation is an upper bound: no unexpected
+    keys, and counts and bytes at most the expected ones (bytes up to ``rtol`` above).
+    """
+    problems = []
+    for key in sorted(set(expected) | set(measured)):
+        want, got = expected.get(key, Tally(0, 0.0)), measured.get(key, Tally(0, 0.0))
+        name = f"{key[0]} over {','.join(key[1]) or 'no axis'}"
+        slack = rtol * max(want.bytes_sent, 1.0)
+        over = got.bytes_sent - want.bytes_sent
+        if got.count > want.count or (exact and got.count != want.count):
+            problems.append(f"{name}: {got.count} ops measured, {want.count} expected.")
+        if over > slack or (exact and -over > slack):
+            problems.append(
+                f"{name}: {got.bytes_sent:,.0f} bytes measured, {want.bytes_sent:,.0f} expected."
+            )
+    return problems
+
+
+# ----------------------------------------------------------------------------- geometry
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Everything the formulas need, per device, derived from (cfg, plan, batch).
+
+    Attributes:
+      mesh_axes: the axis names of the mesh the step runs on, in order (USP splits seq).
+      sizes: axis name -> size on that mesh.
+      token_axes: the axes tokens are split over, major first; S their size product.
+      attention: "local", "ring", "ulysses" or "usp" (as ``ShardedViT`` resolves the plan).
+      ring_axis / ulysses_axis: the axes of the ring and of the Ulysses all-to-alls (or None).
+      act: bytes per element of an activation collective (4 on CPU, see module docstring).
+    """
+
+    cfg: vit_ref.ViTConfig
+    plan: Plan
+    batch: int
+    mesh_axes: Axes
+    sizes: dict[str, int]
+    token_axes: Axes
+    attention: str
+    ring_axis: str | None
+    ulysses_axis: str | None
+    act: int
+
+    @property
+    def b(self) -> int:
+        return self.batch // self.plan.size("data")
+
+    @property
+    def shards(self) -> int:
+        return math.prod(self.sizes[a] for a in self.token_axes)
+
+    @property
+    def padded_tokens(self) -> int:
+        return -(-self.cfg.num_tokens // self.shards) * self.shards
+
+    @property
+    def t(self) -> int:
+        return self.padded_tokens // self.shards
+
+    @property
+    def padded(self) -> bool:
+        return self.padded_tokens != self.cfg.num_tokens
+
+    @property
+    def block(self) -> int:
+        """E = b·t·h_X·k: elements of one local q, k or v block (and of out)."""
+        return self.b * self.t * (self.cfg.heads // self.plan.size("model")) * self.cfg.head_dim
+
+    def n(self, axes: Iterable[str]) -> int:
+        return math.prod(self.sizes[a] for a in axes)
+
+    def order(self, axes: Iterable[str]) -> Axes:
+        """``axes`` in mesh order, axes of size 1 dropped (a group over them is one device)."""
+        wanted = set(axes)
+        return tuple(a for a in self.mesh_axes if a in wanted and self.sizes[a] > 1)
+
+
+def geometry(cfg: vit_ref.ViTConfig, plan: Plan, batch: int, platform: str = "cpu") -> Geometry:
+    """The per-device sizes of (cfg, plan, batch); PlanError if the plan cannot run ``cfg``."""
+    check_plan(cfg, plan, batch)
+    sizes = dict(plan.mesh)
+    mesh_axes: Axes = AXES
+    token_axes: Axes = ()
+    attention, ring, ulysses = "local", None, None
+    if plan.sp == "megatron":
+        token_axes = ("model",)
+    elif plan.sp in ("ring", "ulysses", "usp"):
+        token_axes = ("seq",)
+        n_seq = plan.size("seq")
+        u = n_seq if plan.sp == "ulysses" else 1
+        if plan.sp == "usp":
+            u = usp_factor(n_seq, cfg.heads // plan.size("model"), plan.ulysses)
+        attention = "ring" if u == 1 else "ulysses" if u == n_seq else "usp"
+        ring = "seq" if attention == "ring" else SEQ_RING if attention == "usp" else None
+        ulysses = "seq" if attention == "ulysses" else SEQ_ULYSSES if attention == "usp" else None
+        if attention == "usp":
+            mesh_axes, token_axes = USP_AXES, (SEQ_RING, SEQ_ULYSSES)
+            sizes = {**sizes, SEQ_RING: n_seq // u, SEQ_ULYSSES: u}
+    act = WORD if platform == "cpu" or cfg.dtype == "float32" else 2
+    return Geometry(cfg, plan, batch, mesh_axes, sizes, token_axes, attention, ring, ulysses, act)
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def expected(
+    cfg: vit_ref.ViTConfig, plan: Plan, batch: int, *, platform: str = "cpu"
+) -> Expectation:
+    """The collectives one ``ShardedViT.train_step`` must run for (cfg, plan, global batch).
+
+    Args:
+      cfg: the model.
+      plan: mesh shape and strategies.
+      batch: the global batch size.
+      platform: "cpu" (tested; bf16 collectives are widened to float32 there) or another
+        backend name (activation collectives then move compute-dtype bytes; op counts are the
+        CPU pipeline's and may differ where another backend combines collectives differently).
+
+    Returns:
+      An :class:`Expectation` whose ``summary()`` is what ``Ledger.summary()`` must equal.
+    """
+    g = geometry(cfg, plan, batch, platform)
+    terms = [
+        *_tp_terms(g),
+        *_megatron_sp_terms(g),
+        *_ring_terms(g),
+        *_ulysses_terms(g),
+        *_mask_terms(g),
+        *_pool_terms(g),
+        *_fsdp_terms(g),
+        *_gradient_terms(g),
+        *_loss_terms(g),
+    ]
+    return Expectation(cfg, plan, batch, tuple(terms))
+
+
+def _term(
+    g: Geometry, kind: str, axes: Iterable[str], count: int, each: float, what: str, phase: str
+) -> list[Term]:
+    """[Term] of ``count`` executions of ``each`` bytes, or [] when nothing runs."""
+    axes = g.order(axes)
+    if count == 0 or not axes:
+        return []
+    return [Term(kind, axes, count, count * each, what, phase)]
+
+
+def _tp_terms(g: Geometry) -> list[Term]:
+    """Megatron tensor parallelism (``sp`` not "megatron"): X = model, A = b·t·d.
+
+    Attention ``x[b, t, d] · W_qkv[d, h_X, k] -> ... · W_o[h_X, k, d] -> {U_X}`` and the MLP
+    ``x · W1[d, f_X] -> gelu -> · W2[f_X, d] -> {U_X}`` each end in ONE AllReduce (Megatron g,
+    forward) and start with ONE identity whose transpose is an AllReduce of the input's
+    cotangent (Megatron f, backward). One f per region, not one per projection: q, k and v
+    share one input, so their three partial cotangents are summed locally before the single
+    reduction (naive autodiff reduces each: 3 instead of 1 in attention).
+      forward  2·l × AR_X(A·w)      backward 2·l × AR_X(A·w)      = 4·l · 2(n−1)/n · A·w
+    remat: the backward re-runs each block's forward, including attention's g, because LN2
+    reads x + attention(x); the MLP's g is not re-run (nothing reads the block's output).
+      recompute  l × AR_X(A·w)
+    """
+    n = g.plan.size("model")
+    if n == 1 or g.plan.sp == "megatron":
+        return []
+    layers, a = g.cfg.depth, g.b * g.t * g.cfg.dim
+    ar = functools.partial(_term, g, "all-reduce", ["model"])
+    return [
+        *ar(2 * layers, all_reduce_bytes(a * g.act, n), "Megatron g: sum {U_model}", "forward"),
+        *ar(2 * layers, all_reduce_bytes(a * WORD, n), "Megatron f: sum cotangent", "backward"),
+        *ar(layers * g.plan.remat, all_reduce_bytes(a * g.act, n), "attention g", "recompute"),
+    ]
+
+
+def _megatron_sp_terms(g: Geometry) -> list[Term]:
+    """Megatron-SP: tokens split over X = model outside the TP regions, A' = b·T'·d.
+
+    Each region enters with ``x[b, T'_X, d] --AllGather--> x[b, T', d]`` and exits with
+    ``y[b, T', d]{U_X} --ReduceScatter--> y[b, T'_X, d]``: the bytes of Megatron's AllReduce
+    (AR = RS + AG) while LayerNorm and the residual stream work on T'/n tokens. Backward
+    transposes each: AG <-> RS.
+      forward  2·l × AG_X(A'·w) + 2·l × RS_X(A'·w);   backward the same: 8·l · (n−1)/n · A'·w
+    remat: re-run attention's AG and RS (LN2 reads the residual) and the MLP's AG (the
+    gradient of W1 reads the gathered input); the MLP's RS result is not read.
+      recompute  2·l × AG + l × RS
+    """
+    n = g.plan.size("model")
+    if g.plan.sp != "megatron":
+        return []
+    layers, full = g.cfg.depth, g.b * g.padded_tokens * g.cfg.dim
+    ag = functools.partial(_term, g, "all-gather", ["model"])
+    rs = functools.partial(_term, g, "reduce-scatter", ["model"])
+    gather, scatter = all_gather_bytes(full * WORD, n), reduce_scatter_bytes(full * g.act, n)
+    back_ag, back_rs = all_gather_bytes(full * g.act, n), reduce_scatter_bytes(full * WORD, n)
+    remat = g.plan.remat
+    return [
+        *ag(2 * layers, gather, "gather token shards into each TP region", "forward"),
+        *rs(2 * layers, scatter, "sum {U_model}, keep own tokens", "forward"),
+        *ag(2 * layers, back_ag, "transpose of the exit reduce-scatter", "backward"),
+        *rs(2 * layers, back_rs, "transpose of the entry all-gather", "backward"),
+        *ag(2 * layers * remat, gather, "re-gather both regions' inputs", "recompute"),
+        *rs(layers * remat, scatter, "attention exit (LN2 reads it)", "recompute"),
+    ]
+
+
+def _ring_terms(g: Geometry) -> list[Term]:
+    """Ring attention over R (seq, or seq_ring in USP) of size r; blocks of E = b·t·h_X·k.
+
+    ``q[b, T_R, h, k] · k, v[b, S_R, h, k]``: each device keeps its queries while the K and V
+    blocks visit every device: r−1 hops each (a device already holds its own block), the
+    fewest that bring every key to every query without an all-gather. Backward (hand-written,
+    saving only q, k, v, out, lse) sends K, V round again (r−1 hops each) with float32 dK, dV
+    accumulators that need r hops to return to their owner.
+      forward  2·l·(r−1) × E·w;   backward 2·l·(r−1) × E·w + 2·l·r × E·4
+    In USP the ring runs on h_X/u heads of u·t tokens: the same E.
+    remat: the re-run forward sends K and V round again, 2·l·(r−1) hops; when r = 2 its one
+    hop is the backward's first hop exactly (both loops have one trip and vanish), and XLA
+    merges the two (0 extra). Likewise with l = 1 and r = 2 (no remat) no loop is left between
+    the forward's hop and the backward's identical one: merged, 0 backward K/V hops.
+    """
+    if g.ring_axis is None:
+        return []
+    r, layers, e = g.sizes[g.ring_axis], g.cfg.depth, g.block
+    hop = functools.partial(_term, g, "collective-permute", [g.ring_axis])
+    redo = 2 * layers * (r - 1) if g.plan.remat and r > 2 else 0
+    merged = layers == 1 and r == 2 and not g.plan.remat
+    again = 0 if merged else 2 * layers * (r - 1)
+    return [
+        *hop(
+            2 * layers * (r - 1), permute_bytes(e * g.act), "K, V blocks round the ring", "forward"
+        ),
+        *hop(again, permute_bytes(e * g.act), "K, V round again", "backward"),
+        *hop(2 * layers * r, permute_bytes(e * WORD), "dK, dV accumulators home", "backward"),
+        *hop(redo, permute_bytes(e * g.act), "K, V for the re-run forward", "recompute"),
+    ]
+
+
+def _ulysses_terms(g: Geometry) -> list[Term]:
+    """Ulysses over U (seq, or seq_ulysses in USP) of size u; blocks of E = b·t·h_X·k.
+
+    ``q, k, v[b, T_U, h, k] --AllToAll--> [b, T, h_U, k]`` (then attention, or USP's ring, on
+    every token of h/u heads) and ``out --AllToAll--> out[b, T_U, h, k]``: the three inputs and
+    the output each change split once; no other layout lets one device see all keys of a
+    head without moving at least as much. Backward transposes each all-to-all. The lse
+    all-to-all is dead code (the model drops lse) and is removed.
+      forward 4·l × (u−1)/u·E·w; backward 4·l × the same; remat re-runs all four: + 4·l.
+    """
+    if g.ulysses_axis is None:
+        return []
+    u, layers = g.sizes[g.ulysses_axis], g.cfg.depth
+    each = all_to_all_bytes(g.block * g.act, u)
+    a2a = functools.partial(_term, g, "all-to-all", [g.ulysses_axis])
+    return [
+        *a2a(4 * layers, each, "q, k, v to a head split; out back", "forward"),
+        *a2a(4 * layers, each, "transposed all-to-alls", "backward"),
+        *a2a(4 * layers * g.plan.remat, each, "q, k, v, out of the re-run forward", "recompute"),
+    ]
+
+
+def _mask_terms(g: Geometry) -> list[Term]:
+    """The key mask of padded tokens (only when T' > T), bool = 1 byte per token.
+
+    Ulysses: ``valid[T_U] --AllGather--> valid[T]`` (u·t tokens), once per step: the mask is
+    the same in every layer, so JAX's scan partial evaluation hoists it out of the layer loop;
+    a remat re-run gathers it again in each layer (+l).
+    Ring (blocks of T'/r tokens): the mask travels with K and V. Forward: r−1 hops, hoisted
+    out of the layer loop likewise. Backward: r−1 hops per layer; remat's re-run adds r−1 per
+    layer. When r = 2 the one-trip loops vanish and XLA merges identical hops: the backward's
+    hop with the forward's (0 per layer), or, under remat, the re-run's with the backward's
+    (1 per layer).
+    NOT the minimum (in op count; the bytes are negligible): a padding mask is a function of
+    token positions, so every device could compute any block's mask locally (the block from
+    ring position p covers positions p·T'/r ...) and none of these ops would be needed. The
+    contract states what ``sequence.attention_ring`` / ``_ulysses`` do with a ``key_valid``
+    array (a general mask must travel); see docs/communication.md for the proposed fix.
+    """
+    if not g.padded:
+        return []
+    out: list[Term] = []
+    layers, remat = g.cfg.depth, g.plan.remat
+    if g.ulysses_axis is not None:
+        u = g.sizes[g.ulysses_axis]
+        each = all_gather_bytes(u * g.t, u)
+        gather = functools.partial(_term, g, "all-gather", [g.ulysses_axis])
+        out += gather(1, each, "key mask of the Ulysses group", "forward")
+        out += gather(layers * remat, each, "key mask, re-run forward", "recompute")
+    if g.ring_axis is not None:
+        r = g.sizes[g.ring_axis]
+        each = permute_bytes(g.padded_tokens // r)
+        per_layer = (r - 1) * (1 + remat) if r > 2 else int(remat)
+        hop = functools.partial(_term, g, "collective-permute", [g.ring_axis])
+        out += hop(r - 1, each, "key mask with the K, V blocks", "forward")
+        out += hop(layers * per_layer, each, "key mask with K, V again", "backward")
+    return out
+
+
+def _pool_terms(g: Geometry) -> list[Term]:
+    """Pooling over split tokens: one AllReduce over the token axes of pooled[b, d].
+
+    ``tok``: only the shard holding token 0 has the class token; ``gap``: each shard holds a
+    partial sum of the valid tokens. Either way ``pooled[b, d]{U_S}`` -> psum: b·d·w, once.
+    Its transpose (an invariant cotangent cast to varying) moves nothing.
+    """
+    return _term(
+        g,
+        "all-reduce",
+        g.token_axes,
+        1,
+        all_reduce_bytes(g.b * g.cfg.dim * WORD, g.n(g.token_axes)),
+        "pooled features from the token shards",
+        "forward",
+    )
+
+
+def _loss_terms(g: Geometry) -> list[Term]:
+    """The loss value for logging: psum over data of the per-shard sums (one float32)."""
+    terms = _term(
+        g,
+        "all-reduce",
+        ["data"],
+        1,
+        all_reduce_bytes(WORD, g.plan.size("data")),
+        "loss value",
+        STEP_END,
+    )
+    return [dataclasses.replace(t, fused=STEP_END) for t in terms]
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One param leaf as the plan places it.
+
+    Attributes:
+      path: keys from the root, e.g. ("blocks", "mlp", "fc1", "kernel").
+      shape: the full shape (blocks stacked along a leading l axis).
+      split: mesh axes that split it (``heads``, ``mlp`` -> model; ``embed`` -> data under FSDP).
+      local: elements on one device.
+    """
+
+    path: tuple[str, ...]
+    shape: tuple[int, ...]
+    split: Axes
+    local: int
+
+    @property
+    def in_blocks(self) -> bool:
+        return self.path[0] == "blocks"
+
+
+def param_leaves(g: Geometry) -> list[Leaf]:
+    """Every param leaf of ``vit_ref.init(cfg)`` with its split under ``g.plan`` (no arrays)."""
+    rules = {"heads": "model", "mlp": "model"}
+    if g.plan.fsdp:
+        rules["embed"] = "data"
+    shapes = jax.eval_shape(lambda: vit_ref.init(jax.random.key(0), g.cfg))
+    names = jax.tree.leaves(vit_ref.param_axes(g.cfg), is_leaf=lambda x: isinstance(x, tuple))
+    leaves = []
+    for (path, shape), logical in zip(
+        jax.tree_util.tree_leaves_with_path(shapes), names, strict=True
+    ):
+        axes = [rules.get(name) if name else None for name in logical]
+        split = tuple(a for a in axes if a is not None and g.sizes[a] > 1)
+        local = math.prod(
+            d // (g.sizes[a] if a in split else 1) for d, a in zip(shape.shape, axes, strict=True)
+        )
+        leaves.append(Leaf(tuple(str(k.key) for k in path), tuple(shape.shape), split, local))
+    return leaves
+
+
+def sync_axes(g: Geometry, leaf: Leaf) -> Axes:
+    """The axes a leaf's gradient is a partial sum over, all-reduced at the step's end.
+
+    ``data``: every device of the data axis saw a different batch shard (FSDP-split leaves are
+    reduce-scattered instead: the transpose of their all-gather). The token axes: every leaf
+    but the head acts on token shards (the head sees pooled features, already summed over
+    them); a leaf split over a token axis (Megatron-SP's model-split weights) is complete there.
+    """
+    axes = [] if "data" in leaf.split else ["data"]
+    if leaf.path[0] != "head":
+        axes += [a for a in g.token_axes if a not in leaf.split]
+    return g.order(axes)
+
+
+def _gradient_terms(g: Geometry) -> list[Term]:
+    """Gradient sync: ``dw{U_axes} --AllReduce--> dw``, one bucket per group of leaves.
+
+    A bucket holds the leaves that share (sync axes, varying axes, dtype) — the varying axes
+    being the sync axes plus the axes that split the leaf, so model-split and model-replicated
+    leaves never share a flat buffer — concatenated and reduced once: 2(n−1)/n · P_bucket·w
+    with P_bucket the LOCAL elements. Each element must cross the group once in each ring
+    phase, so no scheme sends fewer bytes. At the step's end all buckets over the same axes,
+    and the loss over data, are independent, and XLA's all-reduce combiner runs them as ONE op.
+    One exception to "no fewer bytes": over the token axes, ``pos_embedding`` (and ``cls``)
+    gradients are not partial sums but disjoint slices (each token shard touches only its own
+    rows), for which an all-gather, (n−1)/n·V, would do; the all-reduce sends 2(n−1)/n·V.
+    That excess is at most T·d·w per step (0.6% of the ring case of the test matrix).
+    """
+    buckets: dict[tuple[Axes, frozenset[str]], int] = {}
+    for leaf in param_leaves(g):
+        axes = sync_axes(g, leaf)
+        if axes:
+            key = (axes, frozenset(axes) | frozenset(leaf.split))
+            buckets[key] = buckets.get(key, 0) + leaf.local
+    terms = []
+    for (axes, varying), size in buckets.items():
+        what = f"gradient bucket of {size:,} elements varying over {','.join(sorted(varying))}"
+        each = all_reduce_bytes(size * WORD, g.n(axes))
+        terms.append(Term("all-reduce", axes, 1, each, what, STEP_END, fused=STEP_END))
+    return terms
+
+
+# Block leaves whose VALUE the block's backward never reads: the bias added last (its
+# derivative is the identity and nothing downstream of it lies inside the block).
+_UNREAD_IN_BACKWARD = {("blocks", "mlp", "fc2", "bias")}
+
+
+def _fsdp_terms(g: Geometry) -> list[Term]:
+    """FSDP (ZeRO-3) over data: ``w[d_data] --AllGather--> w[d]`` just before use, per leaf.
+
+    Autodiff transposes each all-gather into ``dw{U_data} --ReduceScatter--> dw[d_data]``, so
+    gradients arrive split, with no all-reduce. Block leaves are gathered inside the layer
+    loop (l times, one layer's slice each); the gathered weights are kept for backward.
+    Bytes with P_F the FSDP-split elements per device BEFORE the split (still model-split):
+      forward AG (n−1)/n·P_F·w;  backward RS (n−1)/n·P_F·w
+    remat: backward re-runs each block's forward and gathers its weights again, all but
+    ``_UNREAD_IN_BACKWARD``: + (n−1)/n·P_blocks·w, ≈ 3(n−1)/n·P·w in all.
+    One op per leaf: CPU XLA does not combine all-gathers (bucketing would move the same bytes).
+    """
+    leaves = [leaf for leaf in param_leaves(g) if "data" in leaf.split]
+    outer = [leaf for leaf in leaves if not leaf.in_blocks]
+    blocks = [leaf for leaf in leaves if leaf.in_blocks]
+    redo = [leaf for leaf in blocks if leaf.path not in _UNREAD_IN_BACKWARD]
+    layers = g.cfg.depth
+    return [
+        *_fsdp_group(g, "all-gather", outer, 1, "embedding, norms, head", "forward"),
+        *_fsdp_group(g, "reduce-scatter", outer, 1, "their gradients", "backward"),
+        *_fsdp_group(g, "all-gather", blocks, layers, "block weights, per layer", "forward"),
+        *_fsdp_group(g, "reduce-scatter", blocks, layers, "their gradients", "backward"),
+        *_fsdp_group(g, "all-gather", redo * g.plan.remat, layers, "block weights", "recompute"),
+    ]
+
+
+def _fsdp_group(
+    g: Geometry, kind: str, leaves: list[Leaf], runs: int, what: str, phase: str
+) -> list[Term]:
+    """One term for ``leaves``, each gathered (or its gradient scattered) ``runs`` times.
+
+    A leaf's ``local`` elements times n is its gathered size; block leaves hold all l layers,
+    so the sum is already the bytes of all ``runs``: (n−1)/n · Σ local·n·w.
+    """
+    n = g.plan.size("data")
+    if not leaves:
+        return []
+    count = len(leaves) * runs
+    total = all_gather_bytes(sum(leaf.local * n * WORD for leaf in leaves), n)
+    return _term(g, kind, ["data"], count, total / count, what, phase)
+
+
+def zero1_terms(
+    split_elements: int, replicated_elements: int, n: int, axis: str = "data"
+) -> list[Term]:
+    """ZeRO-1 (``data.zero1_update``): params replicated, optimizer state split over ``axis``.
+
+    ``dw{U_X} --ReduceScatter--> dw[I_X]``, update the local slice with the local state, then
+    ``w[I_X] --AllGather--> w[I]``: (n−1)/n·P·w + (n−1)/n·P·w = 2(n−1)/n·P·w, exactly one
+    all-reduce's bytes, with 1/n of the optimizer state per device. Leaves that cannot be split
+    (``replicated_elements``) are all-reduced whole. The ViT train step does not use ZeRO-1
+    (FSDP subsumes it); this states the formula for users of ``zero1_update``.
+
+    Args:
+      split_elements: elements of the leaves split over ``axis`` (full, before the split).
+      replicated_elements: elements of the leaves updated whole.
+      n: the size of ``axis``.
+    """
+    if n == 1:
+        return []
+    v, r = split_elements * WORD, replicated_elements * WORD
+    terms = [
+        Term("reduce-scatter", (axis,), 1, reduce_scatter_bytes(v, n), "gradient slices", STEP_END),
+        Term("all-gather", (axis,), 1, all_gather_bytes(v, n), "updated param slices", STEP_END),
+    ]
+    if r:
+        terms.append(Term("all-reduce", (axis,), 1, all_reduce_bytes(r, n), "unsplit", STEP_END))
+    return terms
