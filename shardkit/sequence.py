@@ -18,6 +18,8 @@ Sharding signatures (scaling-book notation; X the sequence axis, of size n):
   attention_ring     q[B, T_X, H, K] · k, v[B, S_X, H, K] -> out[B, T_X, H, K], lse[B, H, T_X]
                      forward: K, V (and key_valid) hop round X by ppermute n−1 times;
                      backward: K, V hop n−1 times, dK, dV n times, so they end on their owner.
+                     Within a hop the block's keys are taken c at a time (no communication),
+                     so per-device memory is O(S/n · c), not O((S/n)²); c ≤ key_chunk.
   attention_ulysses  q, k, v[B, T_X, H, K] --AllToAll--> [B, T, H_X, K] -> attention_local
                      -> out[B, T, H_X, K] --AllToAll--> out[B, T_X, H, K];
                      lse[B, H_X, T] --AllToAll--> lse[B, H, T_X];
@@ -69,6 +71,7 @@ SEQ_ULYSSES = "seq_ulysses"
 USP_SEQ = (SEQ_RING, SEQ_ULYSSES)
 USP_AXES = ("data", SEQ_RING, SEQ_ULYSSES, "model")
 ATTENTION_MODES = ("ring", "ulysses", "usp")
+KEY_CHUNK = 512  # default most keys per chunk inside one ring hop (see attention_ring)
 
 Block = Float[Array, "b t h k"]
 KeyValid = Bool[Array, "b s"] | Bool[Array, " s"] | None
@@ -76,6 +79,8 @@ Lse = Float[Array, "b h t"]
 # Running softmax state of one query block: max m [b,h,q], sum l [b,h,q], unnormalised acc
 # [b,q,h,k]; all float32.
 _Stats = tuple[Array, Array, Array]
+# A key/value block with its key mask: k, v [b, s, h, k] and key_valid [(b,) s] or None.
+_KV = tuple[Array, Array, Array | None]
 _Attention = Callable[[Array, Array, Array, Array | None], tuple[Array, Array]]
 
 
@@ -171,6 +176,99 @@ def _block_grads(
     return dq, dk, dv
 
 
+# ----------------------------------------------------------------------------- key chunks
+
+
+def _chunk_size(s: int, key_chunk: int | None) -> int:
+    """Keys per chunk c of an s-key block (the chunk size the ring's hops use).
+
+    The fewest chunks of at most ``key_chunk`` keys (``KEY_CHUNK`` if None), evened out: padding
+    the block to whole chunks then adds fewer keys than there are chunks.
+    """
+    limit = KEY_CHUNK if key_chunk is None else key_chunk
+    if limit < 1:
+        raise ValueError(f"key_chunk must be a positive number of keys; got {key_chunk}.")
+    chunks = max(1, -(-s // limit))
+    return max(1, -(-s // chunks))
+
+
+def _key_chunks(k: Array, v: Array, key_valid: Array | None, chunk: int) -> _KV:
+    """k, v [b, s, h, d] -> [n_c, b, c, h, d] and key_valid [(b,) s] -> [n_c, (b,) c], c = chunk.
+
+    s is zero-padded to n_c · c; padded keys are masked (key_valid is then never None).
+    """
+    padded = k.shape[1] % chunk > 0
+    (k, valid), (v, _) = pad_tokens(k, chunk), pad_tokens(v, chunk)
+    if key_valid is not None:
+        key_valid, _ = pad_tokens(key_valid, chunk, axis=-1)
+    elif padded:
+        key_valid = valid
+
+    def split(x: Array, axis: int) -> Array:
+        axis %= x.ndim
+        return jnp.moveaxis(x.reshape(*x.shape[:axis], -1, chunk, *x.shape[axis + 1 :]), axis, 0)
+
+    return split(k, 1), split(v, 1), None if key_valid is None else split(key_valid, -1)
+
+
+def _unchunk(x: Array, s: int) -> Array:
+    """[n_c, b, c, h, d] -> [b, s, h, d]: the inverse of ``_key_chunks``, padding dropped."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :s]
+
+
+def _varying_as(x: Array, *like: Array | None) -> Array:
+    """x typed varying over every mesh axis that one of ``like`` varies over.
+
+    A scan carry must keep its type; one that starts as a constant (zeros) must already vary
+    like the values the loop body merges into it (shard_map's check_vma).
+    """
+    axes = set().union(*(jax.typeof(y).mat.varying for y in like if y is not None))
+    axes -= set(jax.typeof(x).mat.varying)
+    return jax.lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
+
+
+def _no_stats(q: Array, kv: _KV) -> _Stats:
+    """Statistics of no keys at all (max MASK_VALUE, sum 0, acc 0): merging into them is exact."""
+    b, t, h, _ = q.shape
+    m = jnp.full((b, h, t), MASK_VALUE, jnp.float32)
+    stats = (m, jnp.zeros((b, h, t), jnp.float32), jnp.zeros(q.shape, jnp.float32))
+    m, row_sum, acc = (_varying_as(x, q, *kv) for x in stats)
+    return m, row_sum, acc
+
+
+def _attend(stats: _Stats, q: Array, kv: _KV, chunk: int) -> _Stats:
+    """``stats`` merged with q's statistics against the block kv = (k, v, key_valid).
+
+    The keys are taken ``chunk`` at a time (online softmax), so one float32 logits tile
+    [b, h, t_q, chunk] is alive, never the whole [b, h, t_q, s].
+    """
+
+    def step(stats: _Stats, kv_chunk: _KV) -> tuple[_Stats, None]:
+        return _merge(stats, _block_stats(q, *kv_chunk)), None
+
+    stats, _ = jax.lax.scan(step, stats, _key_chunks(*kv, chunk))
+    return stats
+
+
+def _attend_grads(
+    dq: Array, q: Array, kv: _KV, chunk: int, d_out: Array, lse: Array, delta: Array
+) -> tuple[Array, Array, Array]:
+    """(dq + q's float32 gradient from block kv, the block's dk, dv), ``chunk`` keys at a time.
+
+    Per chunk: recompute p from lse, add its dq, emit its dk, dv (one [b, h, t_q, chunk] tile
+    of p, dp, ds alive at a time).
+    """
+
+    def step(dq: Array, kv_chunk: _KV) -> tuple[Array, tuple[Array, Array]]:
+        dq_c, dk_c, dv_c = _block_grads(q, *kv_chunk, d_out, lse, delta)
+        return dq + dq_c, (dk_c, dv_c)
+
+    dq, (dk, dv) = jax.lax.scan(step, dq, _key_chunks(*kv, chunk))
+    s = kv[0].shape[1]
+    return dq, _unchunk(dk, s), _unchunk(dv, s)
+
+
 # ----------------------------------------------------------------------------- local
 
 
@@ -196,17 +294,10 @@ def _ring_perm(n: int) -> list[tuple[int, int]]:
     return [(i, (i + 1) % n) for i in range(n)]
 
 
-def attention_ring_autodiff(
-    q: Block, k: Block, v: Block, key_valid: KeyValid, axis: str
-) -> tuple[Block, Lse]:
-    """Ring attention forward, differentiated by plain JAX autodiff: the memory BASELINE.
-
-    Same arguments, results and sharding signature as ``attention_ring``. Autodiff through the
-    ``scan`` keeps every hop's probabilities [b, h, t_local, s_local] for backward (O(S²/n) per
-    device) and sends the K/V cotangents back the other way round the ring; use
-    ``attention_ring``, whose hand-written backward saves only q, k, v, out and lse.
-    """
-    _check_blocks(q, k, v, key_valid)
+def _ring_forward(
+    q: Array, k: Array, v: Array, key_valid: Array | None, axis: str, chunk: int
+) -> tuple[Array, Array]:
+    """(out, lse): K/V blocks travel the ring; each is attended ``chunk`` keys at a time."""
     n = jax.lax.axis_size(axis)
 
     def hop(carry: tuple[_Stats, tuple], _: None) -> tuple[tuple[_Stats, tuple], None]:
@@ -214,44 +305,62 @@ def attention_ring_autodiff(
         # Pass the K/V block and its key mask one step round the ring: after j hops this
         # device holds the block that started on device i − j.
         kv = jax.lax.ppermute(kv, axis, _ring_perm(n))
-        return (_merge(stats, _block_stats(q, *kv)), kv), None
+        return (_attend(stats, q, kv, chunk), kv), None
 
     kv = (k, v, key_valid)
-    stats = _block_stats(q, *kv)
+    stats = _attend(_no_stats(q, kv), q, kv, chunk)
     if n > 1:
         (stats, _), _ = jax.lax.scan(hop, (stats, kv), length=n - 1)
     return _finish(stats, q.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _ring(q: Array, k: Array, v: Array, key_valid: Array | None, axis: str) -> tuple[Array, Array]:
-    return attention_ring_autodiff(q, k, v, key_valid, axis)
+def attention_ring_autodiff(
+    q: Block, k: Block, v: Block, key_valid: KeyValid, axis: str, *, key_chunk: int | None = None
+) -> tuple[Block, Lse]:
+    """Ring attention forward, differentiated by plain JAX autodiff: the memory BASELINE.
+
+    Same arguments, results, sharding signature and forward as ``attention_ring``. Autodiff
+    through the hop and chunk loops keeps every hop's probabilities [b, h, t_local, s_local]
+    (chunk by chunk) for backward, O(S²/n) per device, and sends the K/V cotangents back the
+    other way round the ring; use ``attention_ring``, whose hand-written backward saves only
+    q, k, v, out and lse.
+    """
+    _check_blocks(q, k, v, key_valid)
+    return _ring_forward(q, k, v, key_valid, axis, _chunk_size(k.shape[1], key_chunk))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _ring(
+    q: Array, k: Array, v: Array, key_valid: Array | None, axis: str, chunk: int
+) -> tuple[Array, Array]:
+    return _ring_forward(q, k, v, key_valid, axis, chunk)
 
 
 def _ring_fwd(
-    q: Array, k: Array, v: Array, key_valid: Array | None, axis: str
+    q: Array, k: Array, v: Array, key_valid: Array | None, axis: str, chunk: int
 ) -> tuple[tuple[Array, Array], tuple]:
-    out, lse = attention_ring_autodiff(q, k, v, key_valid, axis)
+    out, lse = _ring_forward(q, k, v, key_valid, axis, chunk)
     return (out, lse), (q, k, v, key_valid, out, lse)
 
 
-def _ring_bwd(axis: str, res: tuple, cts: tuple[Array, Array]) -> tuple:
+def _ring_bwd(axis: str, chunk: int, res: tuple, cts: tuple[Array, Array]) -> tuple:
     q, k, v, key_valid, out, lse = res
     d_out, d_lse = cts
     f32 = jnp.float32
     delta = _bhq_to_bqh(jnp.sum(d_out.astype(f32) * out.astype(f32), -1)) - d_lse
+    grads = functools.partial(_attend_grads, q=q, chunk=chunk, d_out=d_out, lse=lse, delta=delta)
     n = jax.lax.axis_size(axis)
 
     def hop(carry: tuple, _: None) -> tuple[tuple, None]:
         dq, kv, dkv = carry
         # K, V, mask and their gradient accumulators travel together, one step round the ring.
         kv, (dk, dv) = jax.lax.ppermute((kv, dkv), axis, _ring_perm(n))
-        k_blk, v_blk, valid_blk = kv
-        dq_blk, dk_blk, dv_blk = _block_grads(q, k_blk, v_blk, valid_blk, d_out, lse, delta)
-        return (dq + dq_blk, kv, (dk + dk_blk, dv + dv_blk)), None
+        dq, dk_blk, dv_blk = grads(dq, kv=kv)
+        return (dq, kv, (dk + dk_blk, dv + dv_blk)), None
 
     kv = (k, v, key_valid)
-    dq, dk, dv = _block_grads(q, k, v, key_valid, d_out, lse, delta)
+    dq = _varying_as(jnp.zeros(q.shape, f32), q, *kv, d_out, lse, delta)
+    dq, dk, dv = grads(dq, kv=kv)
     if n > 1:
         (dq, _, (dk, dv)), _ = jax.lax.scan(hop, (dq, kv, (dk, dv)), length=n - 1)
         # n-th hop for dK, dV only: each accumulator returns to the device that owns its block.
@@ -263,7 +372,7 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def attention_ring(
-    q: Block, k: Block, v: Block, key_valid: KeyValid, axis: str
+    q: Block, k: Block, v: Block, key_valid: KeyValid, axis: str, *, key_chunk: int | None = None
 ) -> tuple[Block, Lse]:
     """Ring attention over mesh axis ``axis`` with a memory-lean hand-written backward.
 
@@ -274,6 +383,8 @@ def attention_ring(
     all-gather anywhere. n = 1 communicates nothing. Bytes sent per device: forward
     (n − 1)·(K + V + mask blocks); backward (n − 1)·(K + V + mask) + n·(dK + dV), the dK, dV
     accumulators in float32 whatever the input dtype (their sum would lose bits in bfloat16).
+    Within a hop the keys are taken in chunks of c (flash-attention style, no communication),
+    so the float32 logits tile is [b, h, t_local, c]: memory O(S/n) for a fixed c.
 
     Signature: q[B, T_X, H, K] · k, v[B, S_X, H, K] -> out[B, T_X, H, K], lse[B, H, T_X].
 
@@ -281,13 +392,15 @@ def attention_ring(
       q: local queries [b, t, h, k]; k, v: local keys and values [b, s, h, k].
       key_valid: local bool mask [b, s] or [s] (True = real key), or None.
       axis: the mesh axis the sequence is split over.
+      key_chunk: most keys per chunk (None: ``KEY_CHUNK``); c is evened out over the fewest
+        chunks and the block padded to a multiple of c with masked keys.
 
     Returns:
       out [b, t, h, k] (q's dtype) and lse [b, h, t] (float32), equal to attention over the
       whole sequence; see ``attention_local`` for rows without a valid key.
     """
     _check_blocks(q, k, v, key_valid)
-    return _ring(q, k, v, key_valid, axis)
+    return _ring(q, k, v, key_valid, axis, _chunk_size(k.shape[1], key_chunk))
 
 
 # ----------------------------------------------------------------------------- Ulysses
@@ -359,7 +472,14 @@ def attention_ulysses(
 
 
 def attention_usp(
-    q: Block, k: Block, v: Block, key_valid: KeyValid, ulysses_axis: str, ring_axis: str
+    q: Block,
+    k: Block,
+    v: Block,
+    key_valid: KeyValid,
+    ulysses_axis: str,
+    ring_axis: str,
+    *,
+    key_chunk: int | None = None,
 ) -> tuple[Block, Lse]:
     """Unified sequence parallelism: Ulysses over ``ulysses_axis``, ring over ``ring_axis``.
 
@@ -373,11 +493,12 @@ def attention_usp(
       q, k, v: local blocks [b, t, h, k]; h must be divisible by the Ulysses axis size.
       key_valid: local bool mask [b, t] or [t] (True = real key), or None.
       ulysses_axis, ring_axis: the two mesh axes the sequence is split over.
+      key_chunk: most keys per chunk in the ring's hops (see ``attention_ring``).
 
     Returns:
       out [b, t, h, k] and lse [b, h, t] as ``attention_local`` on the whole sequence.
     """
-    ring = functools.partial(attention_ring, axis=ring_axis)
+    ring = functools.partial(attention_ring, axis=ring_axis, key_chunk=key_chunk)
     return _ulysses(q, k, v, key_valid, ulysses_axis, ring)
 
 
@@ -433,17 +554,21 @@ def pad_tokens(x: Array, multiple: int, axis: int = 1) -> tuple[Array, Bool[Arra
 
 
 def _mode_plan(
-    mesh: Mesh, mode: str, heads: int, ulysses: int | None
+    mesh: Mesh, mode: str, heads: int, ulysses: int | None, key_chunk: int | None
 ) -> tuple[Mesh, str | tuple[str, ...], _Attention]:
     """(mesh to run on, the token spec entry, the per-device attention) for ``mode``."""
     if mode == "ring":
-        return mesh, "seq", functools.partial(attention_ring, axis="seq")
+        return mesh, "seq", functools.partial(attention_ring, axis="seq", key_chunk=key_chunk)
     if mode == "ulysses":
+        if key_chunk is not None:
+            raise PlanError("key_chunk chunks a ring's hops; mode 'ulysses' has no ring.")
         return mesh, "seq", functools.partial(attention_ulysses, axis="seq")
     if mode != "usp":
         raise PlanError(f"Unknown attention mode {mode!r}; choose one of {ATTENTION_MODES}.")
     u = usp_factor(mesh.shape["seq"], heads // mesh.shape["model"], ulysses)
-    attn = functools.partial(attention_usp, ulysses_axis=SEQ_ULYSSES, ring_axis=SEQ_RING)
+    attn = functools.partial(
+        attention_usp, ulysses_axis=SEQ_ULYSSES, ring_axis=SEQ_RING, key_chunk=key_chunk
+    )
     return usp_mesh(mesh, u), USP_SEQ, attn
 
 
@@ -478,6 +603,7 @@ def sharded_attention(
     key_valid: Bool[Array, "b s"] | None = None,
     *,
     ulysses: int | None = None,
+    key_chunk: int | None = None,
 ) -> tuple[Float[Array, "b t h k"], Float[Array, "b h t"]]:
     """Sequence-parallel attention on global arrays: pads, runs ``shard_map``, slices back.
 
@@ -491,6 +617,7 @@ def sharded_attention(
       mode: "ring", "ulysses" or "usp" (the seq axis split by ``usp_mesh``).
       key_valid: optional bool [b, s], True for real keys.
       ulysses: the Ulysses degree for "usp" (None: ``usp_factor`` picks it).
+      key_chunk: most keys per chunk in ring hops ("ring", "usp"; see ``attention_ring``).
 
     Returns:
       out [b, t, h, k] and float32 lse [b, h, t], as ``attention_local`` on the whole arrays.
@@ -500,7 +627,7 @@ def sharded_attention(
     """
     _check_global(q, mesh)
     n = mesh.shape["seq"]
-    mesh, seq, attn = _mode_plan(mesh, mode, q.shape[2], ulysses)
+    mesh, seq, attn = _mode_plan(mesh, mode, q.shape[2], ulysses, key_chunk)
     spec = P("data", seq, "model", None)
     args, in_specs = _padded_inputs(q, k, v, key_valid, n, seq)
 

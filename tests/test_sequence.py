@@ -12,6 +12,7 @@ import functools
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -50,6 +51,7 @@ class Case:
     head_dim: int
     mask: str  # "none", "random" or "empty_row" (one batch row with no valid key)
     seed: int
+    key_chunk: int | None = None  # most keys per chunk in ring hops (ring, usp)
 
 
 @st.composite
@@ -66,6 +68,8 @@ def cases(draw: st.DrawFn, mode: str) -> Case:
         head_dim=draw(st.sampled_from((4, 8))),
         mask=draw(st.sampled_from(("none", "random", "empty_row"))),
         seed=draw(st.integers(0, 2**16)),
+        # Small chunks split a hop's keys into several, padded ones (None: one chunk here).
+        key_chunk=None if mode == "ulysses" else draw(st.sampled_from((None, 1, 2, 3))),
     )
 
 
@@ -128,7 +132,12 @@ def seq_mesh(n: int):
 def check_against_reference(mode: str, case: Case) -> None:
     q, k, v, w_out, w_lse, valid = make_inputs(case)
     sharded = functools.partial(
-        sharded_attention, mesh=seq_mesh(case.n), mode=mode, key_valid=valid, ulysses=case.ulysses
+        sharded_attention,
+        mesh=seq_mesh(case.n),
+        mode=mode,
+        key_valid=valid,
+        ulysses=case.ulysses,
+        key_chunk=case.key_chunk,
     )
     got = outputs_and_grads(sharded, q, k, v, w_out, w_lse)
     want = outputs_and_grads(
@@ -147,6 +156,8 @@ def check_against_reference(mode: str, case: Case) -> None:
 @given(case=cases("ring"))
 @example(case=Case(8, 1, 2, 5, 2, 8, "random", 1))  # fully padded blocks
 @example(case=Case(1, 1, 1, 3, 1, 4, "empty_row", 6))  # n = 1: no communication
+@example(case=Case(8, 1, 2, 37, 2, 8, "empty_row", 12, key_chunk=2))  # 3 chunks, 1 key padded
+@example(case=Case(1, 1, 2, 13, 2, 4, "none", 13, key_chunk=5))  # no mask but padded chunks
 def test_ring_matches_reference(case: Case) -> None:
     check_against_reference("ring", case)
 
@@ -160,6 +171,7 @@ def test_ulysses_matches_reference(case: Case) -> None:
 @given(case=cases("usp"))
 @example(case=Case(8, 2, 1, 17, 4, 4, "random", 3))  # ulysses 2 × ring 4
 @example(case=Case(6, 3, 2, 7, 3, 8, "none", 4))  # ulysses 3 × ring 2, padded
+@example(case=Case(4, 2, 2, 29, 4, 4, "empty_row", 14, key_chunk=3))  # chunked ring hops
 def test_usp_matches_reference(case: Case) -> None:
     check_against_reference("usp", case)
 
@@ -182,7 +194,7 @@ def test_ring_autodiff_baseline_matches_reference() -> None:
 def test_bfloat16_ring_close_to_float32_reference() -> None:
     case = Case(4, 1, 2, 13, 2, 8, "random", 7)
     q, k, v, w_out, w_lse, valid = make_inputs(case, dtype=jnp.bfloat16)
-    sharded = functools.partial(sharded_attention, mesh=seq_mesh(4), key_valid=valid)
+    sharded = functools.partial(sharded_attention, mesh=seq_mesh(4), key_valid=valid, key_chunk=3)
     got = outputs_and_grads(sharded, q, k, v, w_out, w_lse)
     q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
     want = outputs_and_grads(lambda *a: reference_attention(*a, valid), q32, k32, v32, w_out, w_lse)
@@ -228,7 +240,10 @@ def test_local_rows_without_valid_keys_are_zero_with_finite_grads() -> None:
 def test_large_inputs_stay_finite(mode: str) -> None:
     case = Case(4, 2, 2, 13, 4, 8, "empty_row", 9)
     q, k, v, w_out, w_lse, valid = make_inputs(case, scale=1e3)
-    sharded = functools.partial(sharded_attention, mesh=seq_mesh(4), mode=mode, key_valid=valid)
+    chunk = None if mode == "ulysses" else 2  # several chunks per hop, one padded
+    sharded = functools.partial(
+        sharded_attention, mesh=seq_mesh(4), mode=mode, key_valid=valid, key_chunk=chunk
+    )
     results = outputs_and_grads(sharded, q, k, v, w_out, w_lse)
     assert all(bool(jnp.isfinite(x).all()) for x in results)
 
@@ -282,9 +297,18 @@ def test_ulysses_rejects_heads_not_divisible() -> None:
         sharded_attention(q, q, q, seq_mesh(2), mode="ulysses")
 
 
+def test_key_chunk_rejects_bad_values() -> None:
+    q = jnp.zeros((1, 4, 2, 2))
+    with pytest.raises(ValueError, match="key_chunk must be a positive number of keys; got 0"):
+        sharded_attention(q, q, q, seq_mesh(2), key_chunk=0)
+    with pytest.raises(ValueError, match="mode 'ulysses' has no ring"):
+        sharded_attention(q, q, q, seq_mesh(2), mode="ulysses", key_chunk=2)
+
+
 # ----------------------------------------------------------------------------- memory and HLO
 
 MEM_SHAPE = (1, 4096, 4, 32)  # b, t, h, k: 512 tokens per device at n = 8
+RINGS = ("custom", "autodiff")
 
 
 def collective_counts(hlo: str) -> dict[str, int]:
@@ -292,29 +316,35 @@ def collective_counts(hlo: str) -> dict[str, int]:
     return {kind: len(re.findall(rf"[ )]{kind}(?:-start)?\(", hlo)) for kind in kinds}
 
 
-@functools.cache
-def compiled_grad(kind: str, n: int = 8):
-    """jit(grad) of sum(sin(out)) through ring (custom vjp), ring autodiff, or unsharded."""
+def ring_loss(kind: str, n: int, key_chunk: int | None):
+    """sum(sin(out)) through ring (custom vjp), ring autodiff, or unsharded attention."""
     spec, lse_spec = P(None, "seq", None, None), P(None, None, "seq")
     ring = {"custom": attention_ring, "autodiff": attention_ring_autodiff}.get(kind)
     attn = lambda q, k, v: reference_attention(q, k, v)  # noqa: E731
     if ring is not None:
         attn = jax.shard_map(
-            lambda q, k, v: ring(q, k, v, None, "seq"),
+            lambda q, k, v: ring(q, k, v, None, "seq", key_chunk=key_chunk),
             mesh=seq_mesh(n),
             in_specs=(spec,) * 3,
             out_specs=(spec, lse_spec),
         )
-    loss = lambda q, k, v: jnp.sum(jnp.sin(attn(q, k, v)[0]))  # noqa: E731
-    arg = jax.ShapeDtypeStruct(MEM_SHAPE, jnp.float32)
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(arg, arg, arg).compile()
+    return lambda q, k, v: jnp.sum(jnp.sin(attn(q, k, v)[0]))
+
+
+@functools.cache
+def compiled_grad(kind: str, n: int = 8, tokens: int = MEM_SHAPE[1], key_chunk: int | None = None):
+    """jit(grad) of ``ring_loss`` on [b, tokens, h, k] inputs (MEM_SHAPE otherwise)."""
+    arg = jax.ShapeDtypeStruct((MEM_SHAPE[0], tokens, *MEM_SHAPE[2:]), jnp.float32)
+    grad = jax.grad(ring_loss(kind, n, key_chunk), argnums=(0, 1, 2))
+    return jax.jit(grad).lower(arg, arg, arg).compile()
+
+
+def temp_bytes(kind: str, **kwargs) -> int:
+    return compiled_grad(kind, **kwargs).memory_analysis().temp_size_in_bytes
 
 
 def test_custom_vjp_ring_uses_less_memory_than_autodiff() -> None:
-    temp = {
-        kind: compiled_grad(kind).memory_analysis().temp_size_in_bytes
-        for kind in ("custom", "autodiff", "unsharded")
-    }
+    temp = {kind: temp_bytes(kind) for kind in ("custom", "autodiff", "unsharded")}
     print(
         f"\ngrad temp memory per device, b,t,h,k={MEM_SHAPE}, n=8: "
         + ", ".join(f"{kind} {size / 2**20:.1f} MiB" for kind, size in temp.items())
@@ -322,10 +352,50 @@ def test_custom_vjp_ring_uses_less_memory_than_autodiff() -> None:
     assert temp["custom"] < temp["autodiff"] < temp["unsharded"]
 
 
+def test_custom_vjp_ring_memory_is_linear_in_tokens() -> None:
+    # Hops attend KEY_CHUNK = 512 keys at a time: [t/n, 512] logits tiles, not [t/n, t/n].
+    t = MEM_SHAPE[1]
+    custom, autodiff = ([temp_bytes(kind, tokens=x) for x in (t, 2 * t)] for kind in RINGS)
+    print(
+        f"\ngrad temp memory per device, n=8, t={t} -> {2 * t}: custom "
+        f"{custom[0] / 2**20:.1f} -> {custom[1] / 2**20:.1f} MiB, autodiff "
+        f"{autodiff[0] / 2**20:.1f} -> {autodiff[1] / 2**20:.1f} MiB"
+    )
+    assert custom[1] / custom[0] < 2.6, custom  # quadratic growth would be ×4
+    assert custom[0] < autodiff[0] and custom[1] < autodiff[1]
+
+
+def ppermute_loop_depths(jaxpr: jax.extend.core.Jaxpr, depth: int = 0) -> list[int]:
+    """How many scans enclose each ppermute of ``jaxpr`` (through every nested jaxpr)."""
+    depths = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "ppermute":
+            depths.append(depth)
+        for param in jax.tree.leaves(
+            dict(eqn.params), is_leaf=lambda x: isinstance(x, jax.extend.core.ClosedJaxpr)
+        ):
+            sub = getattr(param, "jaxpr", param)
+            if isinstance(sub, jax.extend.core.Jaxpr):
+                depths += ppermute_loop_depths(sub, depth + (eqn.primitive.name == "scan"))
+    return depths
+
+
 def test_ring_hlo_permutes_without_all_gather() -> None:
-    counts = collective_counts(compiled_grad("custom").as_text())
-    assert counts["collective-permute"] > 0 and counts["all-gather"] == 0, counts
+    # key_chunk 100: 6 chunks of 86 keys (4 padded) per 512-key hop; the chunk loop only adds
+    # compute: the same 8 collective-permutes of one f32 [1, 512, 4, 32] block each (forward
+    # K, V; backward K, V, dK, dV, then dK, dV home) as without chunks.
+    for chunk in (None, 100):
+        hlo = compiled_grad("custom", key_chunk=chunk).as_text()
+        counts = collective_counts(hlo)
+        assert counts["collective-permute"] == 8 and sum(counts.values()) == 8, counts
+        shapes = re.findall(r"= (\S+) collective-permute(?:-start)?\(", hlo)
+        assert shapes == ["f32[1,512,4,32]{3,2,1,0}"] * 8, shapes
     assert sum(collective_counts(compiled_grad("custom", n=1).as_text()).values()) == 0
+    arg = jax.ShapeDtypeStruct(MEM_SHAPE, jnp.float32)
+    loss = ring_loss("custom", 8, key_chunk=100)
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(arg, arg, arg).jaxpr
+    # Depth 1: in the hop loop; 0: dK, dV home. None at depth 2, inside a hop's chunk loop.
+    assert sorted(set(ppermute_loop_depths(jaxpr))) == [0, 1]
 
 
 def test_ulysses_hlo_has_all_to_alls() -> None:
