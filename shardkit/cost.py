@@ -33,12 +33,14 @@ Per strategy (each ``_*_terms`` function states its own formulas and why each is
   Ulysses   4 all-to-alls (q, k, v, out) forward and 4 backward per block.
   USP       Ulysses over seq_ulysses (u) around a ring over seq_ring (r = n_seq / u).
 Compositions add: every term depends only on the axes it uses.
+Padding (T' > T) adds no collective: ring, Ulysses and USP mask the padded keys by position
+(``num_valid``: each device computes any block's mask from the block's source position), so no
+mask is ppermuted or all-gathered.
 
 Op counts are those of the compiled CPU program. Where XLA's CPU pipeline merges or hoists
 collectives, the term says so: the step-end all-reduces over the same devices (gradient buckets
-and the loss) run as ONE combined op (the all-reduce combiner); an attention mask that is the
-same in every layer is sent once, outside the layer loop (JAX's scan partial evaluation hoists
-loop-invariant work); and identical collectives left outside loops are merged (CSE). Under
+and the loss) run as ONE combined op (the all-reduce combiner); and identical collectives left
+outside loops are merged (CSE). Under
 ``plan.remat`` the rematerialised forward re-runs its collectives, except those whose results
 the backward does not read. With remat on a one-layer model XLA merges an unpredictable part
 of the re-run with the forward, so there the terms are an upper bound (``Expectation.exact``).
@@ -311,7 +313,6 @@ def expected(
         *_megatron_sp_terms(g),
         *_ring_terms(g),
         *_ulysses_terms(g),
-        *_mask_terms(g),
         *_pool_terms(g),
         *_fsdp_terms(g),
         *_gradient_terms(g),
@@ -439,43 +440,6 @@ def _ulysses_terms(g: Geometry) -> list[Term]:
         *a2a(4 * layers, each, "transposed all-to-alls", "backward"),
         *a2a(4 * layers * g.plan.remat, each, "q, k, v, out of the re-run forward", "recompute"),
     ]
-
-
-def _mask_terms(g: Geometry) -> list[Term]:
-    """The key mask of padded tokens (only when T' > T), bool = 1 byte per token.
-
-    Ulysses: ``valid[T_U] --AllGather--> valid[T]`` (u·t tokens), once per step: the mask is
-    the same in every layer, so JAX's scan partial evaluation hoists it out of the layer loop;
-    a remat re-run gathers it again in each layer (+l).
-    Ring (blocks of T'/r tokens): the mask travels with K and V. Forward: r−1 hops, hoisted
-    out of the layer loop likewise. Backward: r−1 hops per layer; remat's re-run adds r−1 per
-    layer. When r = 2 the one-trip loops vanish and XLA merges identical hops: the backward's
-    hop with the forward's (0 per layer), or, under remat, the re-run's with the backward's
-    (1 per layer).
-    NOT the minimum (in op count; the bytes are negligible): a padding mask is a function of
-    token positions, so every device could compute any block's mask locally (the block from
-    ring position p covers positions p·T'/r ...) and none of these ops would be needed. The
-    contract states what ``sequence.attention_ring`` / ``_ulysses`` do with a ``key_valid``
-    array (a general mask must travel); see docs/communication.md for the proposed fix.
-    """
-    if not g.padded:
-        return []
-    out: list[Term] = []
-    layers, remat = g.cfg.depth, g.plan.remat
-    if g.ulysses_axis is not None:
-        u = g.sizes[g.ulysses_axis]
-        each = all_gather_bytes(u * g.t, u)
-        gather = functools.partial(_term, g, "all-gather", [g.ulysses_axis])
-        out += gather(1, each, "key mask of the Ulysses group", "forward")
-        out += gather(layers * remat, each, "key mask, re-run forward", "recompute")
-    if g.ring_axis is not None:
-        r = g.sizes[g.ring_axis]
-        each = permute_bytes(g.padded_tokens // r)
-        per_layer = (r - 1) * (1 + remat) if r > 2 else int(remat)
-        hop = functools.partial(_term, g, "collective-permute", [g.ring_axis])
-        out += hop(r - 1, each, "key mask with the K, V blocks", "forward")
-        out += hop(layers * per_layer, each, "key mask with K, V again", "backward")
-    return out
 
 
 def _pool_terms(g: Geometry) -> list[Term]:

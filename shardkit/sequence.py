@@ -16,14 +16,14 @@ Sharding signatures (scaling-book notation; X the sequence axis, of size n):
 
   attention_local    q[B, T, H, K] · k, v[B, S, H, K] -> out[B, T, H, K], lse[B, H, T]  (no comm)
   attention_ring     q[B, T_X, H, K] · k, v[B, S_X, H, K] -> out[B, T_X, H, K], lse[B, H, T_X]
-                     forward: K, V (and key_valid) hop round X by ppermute n−1 times;
+                     forward: K, V (and a key_valid array) hop round X by ppermute n−1 times;
                      backward: K, V hop n−1 times, dK, dV n times, so they end on their owner.
                      Within a hop the block's keys are taken c at a time (no communication),
                      so per-device memory is O(S/n · c), not O((S/n)²); c ≤ key_chunk.
   attention_ulysses  q, k, v[B, T_X, H, K] --AllToAll--> [B, T, H_X, K] -> attention_local
                      -> out[B, T, H_X, K] --AllToAll--> out[B, T_X, H, K];
                      lse[B, H_X, T] --AllToAll--> lse[B, H, T_X];
-                     key_valid[B, S_X] --AllGather--> key_valid[B, S].
+                     key_valid[B, S_X] --AllGather--> key_valid[B, S] (a key_valid array only).
   attention_usp      (U = Ulysses axis, R = ring axis, tokens split over (R, U), R major)
                      q, k, v[B, T_(R,U), H, K] --AllToAll over U--> [B, T_R, H_U, K]
                      -> attention_ring over R -> out[B, T_R, H_U, K] --AllToAll over U-->
@@ -42,8 +42,17 @@ sequence axis split in two. ``usp_mesh(mesh, u)`` turns a ``data × seq × model
 ``P(..., "seq", ...)`` does on the original, and a collective over ``"seq"`` becomes one over
 ``USP_SEQ``. Ulysses is the minor axis so its all-to-alls stay among neighbouring devices.
 
+Masks as data or as positions: ``key_valid`` is an arbitrary per-key mask, DATA, so it must
+travel (ppermuted with its K/V block round a ring, all-gathered by Ulysses). The static keyword
+``num_valid`` says "keys at global index ≥ num_valid are padding" (global index over the
+sequence split on the axis, ring major for USP): a function of positions, so every device
+computes the mask of any block it holds from the block's source position (the ring block held
+after j hops on device i came from device (i − j) mod n; ``axis_index``, no communication).
+Both may be given; a key is then real only if both say so.
+
 Padding: a token count that does not divide n is padded with ``pad_tokens`` before
-``shard_map``; pass the returned mask as ``key_valid`` so padded keys get zero weight. Padded
+``shard_map``; pass ``num_valid`` = the true token count (the communication-free path) so padded
+keys get zero weight; the returned mask as ``key_valid`` is equivalent but travels. Padded
 QUERY rows still produce outputs: drop them (slice back) or mask them before any reduction over
 tokens. Mean pooling ("gap") over a padded, sharded sequence is sum(x · valid) over the local
 tokens, ``psum`` over the seq axis, divided by the TRUE token count (not t_padded, not a
@@ -110,6 +119,29 @@ def _key_mask(key_valid: Array) -> Array:
     """[b, s] or [s] -> [b | 1, 1, 1, s], broadcastable against logits [b, h, q, s]."""
     valid = key_valid if key_valid.ndim == 2 else key_valid[None]
     return valid[:, None, None, :]
+
+
+def _positions_valid(src: Array | int, s: int, num_valid: int | None, total: int) -> Array | None:
+    """valid[s] of the block of s keys that starts at global token ``src · s``: index < num_valid.
+
+    Computed from positions alone (no communication); None when no key of any block is padding
+    (``num_valid`` None or ≥ ``total``, the token count the blocks cover).
+    """
+    if num_valid is None or num_valid >= total:
+        return None
+    return src * s + jnp.arange(s) < num_valid
+
+
+def _and_valid(key_valid: Array | None, valid: Array | None) -> Array | None:
+    """key_valid AND valid, either of them None (all True); [s] & [b, s] broadcasts to [b, s]."""
+    if key_valid is None or valid is None:
+        return valid if key_valid is None else key_valid
+    return key_valid & (valid if key_valid.ndim == 1 else valid[None])
+
+
+def _check_num_valid(num_valid: int | None) -> None:
+    if num_valid is not None and (not isinstance(num_valid, int) or num_valid < 0):
+        raise ValueError(f"num_valid must be a non-negative int or None; got {num_valid!r}.")
 
 
 def _logits(q: Array, k: Array, key_valid: Array | None) -> Array:
@@ -294,28 +326,53 @@ def _ring_perm(n: int) -> list[tuple[int, int]]:
     return [(i, (i + 1) % n) for i in range(n)]
 
 
+def _hop_block(kv: _KV, step: Array | int, axis: str, num_valid: int | None) -> _KV:
+    """kv = (k, v, key_valid) with the position mask of the block held after ``step`` hops.
+
+    That block started on device (i − step) mod n of the ring over ``axis`` and covers global
+    tokens from that index · s (s = its key count). Computed locally: no communication.
+    """
+    n, s = jax.lax.axis_size(axis), kv[0].shape[1]
+    src = (jax.lax.axis_index(axis) - step) % n
+    return kv[0], kv[1], _and_valid(kv[2], _positions_valid(src, s, num_valid, n * s))
+
+
 def _ring_forward(
-    q: Array, k: Array, v: Array, key_valid: Array | None, axis: str, chunk: int
+    q: Array,
+    k: Array,
+    v: Array,
+    key_valid: Array | None,
+    axis: str,
+    chunk: int,
+    num_valid: int | None,
 ) -> tuple[Array, Array]:
     """(out, lse): K/V blocks travel the ring; each is attended ``chunk`` keys at a time."""
     n = jax.lax.axis_size(axis)
+    block = functools.partial(_hop_block, axis=axis, num_valid=num_valid)
 
-    def hop(carry: tuple[_Stats, tuple], _: None) -> tuple[tuple[_Stats, tuple], None]:
+    def hop(carry: tuple[_Stats, tuple], step: Array) -> tuple[tuple[_Stats, tuple], None]:
         stats, kv = carry
-        # Pass the K/V block and its key mask one step round the ring: after j hops this
-        # device holds the block that started on device i − j.
+        # Pass the K/V block (and a key_valid array, if any) one step round the ring: after j
+        # hops this device holds the block that started on device i − j.
         kv = jax.lax.ppermute(kv, axis, _ring_perm(n))
-        return (_attend(stats, q, kv, chunk), kv), None
+        return (_attend(stats, q, block(kv, step), chunk), kv), None
 
     kv = (k, v, key_valid)
-    stats = _attend(_no_stats(q, kv), q, kv, chunk)
+    stats = _attend(_no_stats(q, block(kv, 0)), q, block(kv, 0), chunk)
     if n > 1:
-        (stats, _), _ = jax.lax.scan(hop, (stats, kv), length=n - 1)
+        (stats, _), _ = jax.lax.scan(hop, (stats, kv), jnp.arange(1, n))
     return _finish(stats, q.dtype)
 
 
 def attention_ring_autodiff(
-    q: Block, k: Block, v: Block, key_valid: KeyValid, axis: str, *, key_chunk: int | None = None
+    q: Block,
+    k: Block,
+    v: Block,
+    key_valid: KeyValid,
+    axis: str,
+    *,
+    key_chunk: int | None = None,
+    num_valid: int | None = None,
 ) -> tuple[Block, Lse]:
     """Ring attention forward, differentiated by plain JAX autodiff: the memory BASELINE.
 
@@ -326,43 +383,60 @@ def attention_ring_autodiff(
     q, k, v, out and lse.
     """
     _check_blocks(q, k, v, key_valid)
-    return _ring_forward(q, k, v, key_valid, axis, _chunk_size(k.shape[1], key_chunk))
+    _check_num_valid(num_valid)
+    chunk = _chunk_size(k.shape[1], key_chunk)
+    return _ring_forward(q, k, v, key_valid, axis, chunk, num_valid)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _ring(
-    q: Array, k: Array, v: Array, key_valid: Array | None, axis: str, chunk: int
+    q: Array,
+    k: Array,
+    v: Array,
+    key_valid: Array | None,
+    axis: str,
+    chunk: int,
+    num_valid: int | None,
 ) -> tuple[Array, Array]:
-    return _ring_forward(q, k, v, key_valid, axis, chunk)
+    return _ring_forward(q, k, v, key_valid, axis, chunk, num_valid)
 
 
 def _ring_fwd(
-    q: Array, k: Array, v: Array, key_valid: Array | None, axis: str, chunk: int
+    q: Array,
+    k: Array,
+    v: Array,
+    key_valid: Array | None,
+    axis: str,
+    chunk: int,
+    num_valid: int | None,
 ) -> tuple[tuple[Array, Array], tuple]:
-    out, lse = _ring_forward(q, k, v, key_valid, axis, chunk)
+    out, lse = _ring_forward(q, k, v, key_valid, axis, chunk, num_valid)
     return (out, lse), (q, k, v, key_valid, out, lse)
 
 
-def _ring_bwd(axis: str, chunk: int, res: tuple, cts: tuple[Array, Array]) -> tuple:
+def _ring_bwd(
+    axis: str, chunk: int, num_valid: int | None, res: tuple, cts: tuple[Array, Array]
+) -> tuple:
     q, k, v, key_valid, out, lse = res
     d_out, d_lse = cts
     f32 = jnp.float32
     delta = _bhq_to_bqh(jnp.sum(d_out.astype(f32) * out.astype(f32), -1)) - d_lse
     grads = functools.partial(_attend_grads, q=q, chunk=chunk, d_out=d_out, lse=lse, delta=delta)
+    block = functools.partial(_hop_block, axis=axis, num_valid=num_valid)
     n = jax.lax.axis_size(axis)
 
-    def hop(carry: tuple, _: None) -> tuple[tuple, None]:
+    def hop(carry: tuple, step: Array) -> tuple[tuple, None]:
         dq, kv, dkv = carry
-        # K, V, mask and their gradient accumulators travel together, one step round the ring.
+        # K, V (a key_valid array, if any) and their gradient accumulators travel together.
         kv, (dk, dv) = jax.lax.ppermute((kv, dkv), axis, _ring_perm(n))
-        dq, dk_blk, dv_blk = grads(dq, kv=kv)
+        dq, dk_blk, dv_blk = grads(dq, kv=block(kv, step))
         return (dq, kv, (dk + dk_blk, dv + dv_blk)), None
 
     kv = (k, v, key_valid)
-    dq = _varying_as(jnp.zeros(q.shape, f32), q, *kv, d_out, lse, delta)
-    dq, dk, dv = grads(dq, kv=kv)
+    dq = _varying_as(jnp.zeros(q.shape, f32), q, *block(kv, 0), d_out, lse, delta)
+    dq, dk, dv = grads(dq, kv=block(kv, 0))
     if n > 1:
-        (dq, _, (dk, dv)), _ = jax.lax.scan(hop, (dq, kv, (dk, dv)), length=n - 1)
+        (dq, _, (dk, dv)), _ = jax.lax.scan(hop, (dq, kv, (dk, dv)), jnp.arange(1, n))
         # n-th hop for dK, dV only: each accumulator returns to the device that owns its block.
         dk, dv = jax.lax.ppermute((dk, dv), axis, _ring_perm(n))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
@@ -372,17 +446,24 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def attention_ring(
-    q: Block, k: Block, v: Block, key_valid: KeyValid, axis: str, *, key_chunk: int | None = None
+    q: Block,
+    k: Block,
+    v: Block,
+    key_valid: KeyValid,
+    axis: str,
+    *,
+    key_chunk: int | None = None,
+    num_valid: int | None = None,
 ) -> tuple[Block, Lse]:
     """Ring attention over mesh axis ``axis`` with a memory-lean hand-written backward.
 
-    Each device keeps its query block; K/V blocks (with their key masks) travel the ring by
-    ``ppermute`` for n − 1 hops and an online softmax (float32 running max and sum) merges
-    them. Backward saves only q, k, v, out and lse, recomputes each block's probabilities, and
-    sends dK, dV round the ring with their blocks (n hops: they end on their owner). No
-    all-gather anywhere. n = 1 communicates nothing. Bytes sent per device: forward
-    (n − 1)·(K + V + mask blocks); backward (n − 1)·(K + V + mask) + n·(dK + dV), the dK, dV
-    accumulators in float32 whatever the input dtype (their sum would lose bits in bfloat16).
+    Each device keeps its query block; K/V blocks (with a ``key_valid`` array, if given)
+    travel the ring by ``ppermute`` for n − 1 hops and an online softmax (float32 running max
+    and sum) merges them. Backward saves only q, k, v, out and lse, recomputes each block's
+    probabilities, and sends dK, dV round the ring with their blocks (n hops: they end on their
+    owner). No all-gather anywhere. n = 1 communicates nothing. Bytes sent per device: forward
+    (n − 1)·(K + V [+ mask] blocks); backward (n − 1)·(K + V [+ mask]) + n·(dK + dV), the dK,
+    dV accumulators in float32 whatever the input dtype (their sum would lose bits in bfloat16).
     Within a hop the keys are taken in chunks of c (flash-attention style, no communication),
     so the float32 logits tile is [b, h, t_local, c]: memory O(S/n) for a fixed c.
 
@@ -390,17 +471,20 @@ def attention_ring(
 
     Args:
       q: local queries [b, t, h, k]; k, v: local keys and values [b, s, h, k].
-      key_valid: local bool mask [b, s] or [s] (True = real key), or None.
+      key_valid: local bool data mask [b, s] or [s] (True = real key; it travels), or None.
       axis: the mesh axis the sequence is split over.
       key_chunk: most keys per chunk (None: ``KEY_CHUNK``); c is evened out over the fewest
         chunks and the block padded to a multiple of c with masked keys.
+      num_valid: static; keys at global index (axis index · s + local) ≥ num_valid are padding,
+        masked from positions with no communication. ANDed with ``key_valid``.
 
     Returns:
       out [b, t, h, k] (q's dtype) and lse [b, h, t] (float32), equal to attention over the
       whole sequence; see ``attention_local`` for rows without a valid key.
     """
     _check_blocks(q, k, v, key_valid)
-    return _ring(q, k, v, key_valid, axis, _chunk_size(k.shape[1], key_chunk))
+    _check_num_valid(num_valid)
+    return _ring(q, k, v, key_valid, axis, _chunk_size(k.shape[1], key_chunk), num_valid)
 
 
 # ----------------------------------------------------------------------------- Ulysses
@@ -435,7 +519,8 @@ def _ulysses(
     _check_heads(q.shape[2], axis)
     q_h, k_h, v_h = (seq_to_heads(x, axis) for x in (q, k, v))
     if key_valid is not None:
-        # Every device now needs every key's validity; the mask is tiny, so gather it.
+        # Every device now needs every key's validity; a data mask must be gathered (it is
+        # tiny). A padding mask passed as num_valid is computed locally instead.
         key_valid = jax.lax.all_gather(key_valid, axis, axis=key_valid.ndim - 1, tiled=True)
     out, lse = inner(q_h, k_h, v_h, key_valid)
     # lse[B, H_X, T] -> lse[B, H, T_X]: back to the token split of q.
@@ -444,20 +529,24 @@ def _ulysses(
 
 
 def attention_ulysses(
-    q: Block, k: Block, v: Block, key_valid: KeyValid, axis: str
+    q: Block, k: Block, v: Block, key_valid: KeyValid, axis: str, *, num_valid: int | None = None
 ) -> tuple[Block, Lse]:
     """Ulysses (DeepSpeed) sequence parallelism over mesh axis ``axis`` of size n.
 
     All-to-all from a token split to a head split, ``attention_local`` over the full sequence
     for h/n heads, all-to-all back. Forward: four all-to-alls of q, k, v, out (plus one of the
-    small lse and an all-gather of the key mask); backward: four all-to-alls.
+    small lse, and an all-gather of ``key_valid`` if one is given); backward: four all-to-alls.
 
     Signature: q, k, v[B, T_X, H, K] -> out[B, T_X, H, K], lse[B, H, T_X].
 
     Args:
       q, k, v: local blocks [b, t, h, k]; h must be divisible by n.
-      key_valid: local bool mask [b, t] or [t] (True = real key), or None.
+      key_valid: local bool mask [b, t] or [t] (True = real key), or None: an arbitrary data
+        mask, all-gathered over ``axis``.
       axis: the mesh axis the sequence is split over.
+      num_valid: static; keys at global index ≥ num_valid are padding. The communication-free
+        path for padding masks: every device builds ``arange(n·t) < num_valid`` itself. ANDed
+        with ``key_valid``.
 
     Returns:
       out [b, t, h, k] and lse [b, h, t] as ``attention_local`` on the whole sequence.
@@ -465,7 +554,14 @@ def attention_ulysses(
     Raises:
       PlanError (a ValueError), at trace time, when h is not divisible by n.
     """
-    return _ulysses(q, k, v, key_valid, axis, attention_local)
+    _check_num_valid(num_valid)
+
+    def local(q: Array, k: Array, v: Array, key_valid: Array | None) -> tuple[Array, Array]:
+        # Every device now holds all s keys in order: their padding mask from positions alone.
+        valid = _positions_valid(0, k.shape[1], num_valid, k.shape[1])
+        return attention_local(q, k, v, _and_valid(key_valid, valid))
+
+    return _ulysses(q, k, v, key_valid, axis, local)
 
 
 # ----------------------------------------------------------------------------- USP
@@ -480,6 +576,7 @@ def attention_usp(
     ring_axis: str,
     *,
     key_chunk: int | None = None,
+    num_valid: int | None = None,
 ) -> tuple[Block, Lse]:
     """Unified sequence parallelism: Ulysses over ``ulysses_axis``, ring over ``ring_axis``.
 
@@ -491,14 +588,22 @@ def attention_usp(
 
     Args:
       q, k, v: local blocks [b, t, h, k]; h must be divisible by the Ulysses axis size.
-      key_valid: local bool mask [b, t] or [t] (True = real key), or None.
+      key_valid: local bool mask [b, t] or [t] (True = real key), or None: an arbitrary data
+        mask, all-gathered over the Ulysses axis, then sent round the ring with K and V.
       ulysses_axis, ring_axis: the two mesh axes the sequence is split over.
       key_chunk: most keys per chunk in the ring's hops (see ``attention_ring``).
+      num_valid: static; keys at global index ≥ num_valid (in the sequence split over
+        (ring_axis, ulysses_axis), ring major) are padding. The communication-free path for
+        padding masks: after the all-to-all a ring position p holds tokens p·u·t ... (p+1)·u·t − 1,
+        so the ring computes each hop's mask from positions (``attention_ring``'s num_valid).
 
     Returns:
       out [b, t, h, k] and lse [b, h, t] as ``attention_local`` on the whole sequence.
     """
-    ring = functools.partial(attention_ring, axis=ring_axis, key_chunk=key_chunk)
+    _check_num_valid(num_valid)
+    ring = functools.partial(
+        attention_ring, axis=ring_axis, key_chunk=key_chunk, num_valid=num_valid
+    )
     return _ulysses(q, k, v, key_valid, ulysses_axis, ring)
 
 
@@ -555,7 +660,7 @@ def pad_tokens(x: Array, multiple: int, axis: int = 1) -> tuple[Array, Bool[Arra
 
 def _mode_plan(
     mesh: Mesh, mode: str, heads: int, ulysses: int | None, key_chunk: int | None
-) -> tuple[Mesh, str | tuple[str, ...], _Attention]:
+) -> tuple[Mesh, str | tuple[str, ...], Callable[..., tuple[Array, Array]]]:
     """(mesh to run on, the token spec entry, the per-device attention) for ``mode``."""
     if mode == "ring":
         return mesh, "seq", functools.partial(attention_ring, axis="seq", key_chunk=key_chunk)
@@ -575,15 +680,12 @@ def _mode_plan(
 def _padded_inputs(
     q: Array, k: Array, v: Array, key_valid: Array | None, n: int, seq: str | tuple[str, ...]
 ) -> tuple[tuple[Array, ...], tuple[P, ...]]:
-    """Token-padded (q, k, v[, key_valid]) and their in_specs; a mask only where one is needed."""
+    """Token-padded (q, k, v[, key_valid]) and their in_specs; padding needs no mask array."""
     spec = P("data", seq, "model", None)
-    (q_pad, _), (k_pad, valid), (v_pad, _) = (pad_tokens(x, n) for x in (q, k, v))
-    if key_valid is not None:
-        valid_pad, _ = pad_tokens(key_valid, n)
-        return (q_pad, k_pad, v_pad, valid_pad), (spec, spec, spec, P("data", seq))
-    if k_pad.shape[1] == k.shape[1]:
-        return (q_pad, k_pad, v_pad), (spec, spec, spec)
-    return (q_pad, k_pad, v_pad, valid), (spec, spec, spec, P(seq))
+    args = tuple(pad_tokens(x, n)[0] for x in (q, k, v))
+    if key_valid is None:
+        return args, (spec, spec, spec)
+    return (*args, pad_tokens(key_valid, n)[0]), (spec, spec, spec, P("data", seq))
 
 
 def _check_global(q: Array, mesh: Mesh) -> None:
@@ -604,6 +706,7 @@ def sharded_attention(
     *,
     ulysses: int | None = None,
     key_chunk: int | None = None,
+    num_valid: int | None = None,
 ) -> tuple[Float[Array, "b t h k"], Float[Array, "b h t"]]:
     """Sequence-parallel attention on global arrays: pads, runs ``shard_map``, slices back.
 
@@ -615,9 +718,12 @@ def sharded_attention(
       q: queries [b, t, h, k]; k, v: keys and values [b, s, h, k].
       mesh: a ``data × seq × model`` mesh from ``shardkit.mesh.make_mesh``.
       mode: "ring", "ulysses" or "usp" (the seq axis split by ``usp_mesh``).
-      key_valid: optional bool [b, s], True for real keys.
+      key_valid: optional bool [b, s], True for real keys (data: it travels).
       ulysses: the Ulysses degree for "usp" (None: ``usp_factor`` picks it).
       key_chunk: most keys per chunk in ring hops ("ring", "usp"; see ``attention_ring``).
+      num_valid: keys at index ≥ num_valid are invalid, computed from positions (no
+        communication). The padding added to reach a multiple of the seq axis size is always
+        masked this way (num_valid at most s).
 
     Returns:
       out [b, t, h, k] and float32 lse [b, h, t], as ``attention_local`` on the whole arrays.
@@ -626,13 +732,15 @@ def sharded_attention(
       padded and call the ``attention_*`` functions inside their own ``shard_map``.
     """
     _check_global(q, mesh)
-    n = mesh.shape["seq"]
+    _check_num_valid(num_valid)
+    n, s = mesh.shape["seq"], k.shape[1]
     mesh, seq, attn = _mode_plan(mesh, mode, q.shape[2], ulysses, key_chunk)
     spec = P("data", seq, "model", None)
     args, in_specs = _padded_inputs(q, k, v, key_valid, n, seq)
+    num_valid = s if num_valid is None else min(num_valid, s)
 
     def body(q: Array, k: Array, v: Array, key_valid: Array | None = None) -> tuple:
-        return attn(q, k, v, key_valid)
+        return attn(q, k, v, key_valid, num_valid=num_valid)
 
     sharded = jax.shard_map(
         body,

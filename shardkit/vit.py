@@ -229,17 +229,23 @@ def _embed_local(p: Params, images: Array, cfg: vit_ref.ViTConfig, lay: Layout) 
 
 
 def _attention_core(lay: Layout, key_valid: Array | None) -> AttentionCore:
-    """The attention run on local heads: q, k, v[B, T_S, H_X, K] -> o[B, T_S, H_X, K]."""
+    """The attention run on local heads: q, k, v[B, T_S, H_X, K] -> o[B, T_S, H_X, K].
+
+    ``key_valid`` is the local attention's mask (Megatron-SP: over all tokens, built locally).
+    The sequence-parallel cores mask padding by position (``num_valid``): nothing is sent.
+    """
+    if lay.attention == "local":
+        return lambda q, k, v: sp.attention_local(q, k, v, key_valid)[0]
+    num_valid = lay.num_tokens if lay.padded else None
     cores: dict[str, Callable[..., tuple[Array, Array]]] = {
-        "local": sp.attention_local,
         "ring": functools.partial(sp.attention_ring, axis="seq"),
         "ulysses": functools.partial(sp.attention_ulysses, axis="seq"),
         "usp": functools.partial(
             sp.attention_usp, ulysses_axis=sp.SEQ_ULYSSES, ring_axis=sp.SEQ_RING
         ),
     }
-    core = cores[lay.attention]
-    return lambda q, k, v: core(q, k, v, key_valid)[0]
+    core = functools.partial(cores[lay.attention], num_valid=num_valid)
+    return lambda q, k, v: core(q, k, v, None)[0]
 
 
 def _block_local(
@@ -261,8 +267,7 @@ def _encoder_local(
 ) -> Array:
     """lax.scan over the stacked layers; FSDP gathers each layer's weights inside the body."""
     dims = _fsdp_dims(vit_ref.param_axes(cfg)["blocks"], plan, drop_leading=1)
-    ids = _token_ids(lay)
-    key_valid = ids < lay.num_tokens if lay.padded else None
+    key_valid = None  # sequence-parallel attention masks padding by position (num_valid)
     if lay.token_axes == ("model",) and lay.padded:  # Megatron-SP attends over all tokens
         key_valid = jnp.arange(lay.padded_tokens) < lay.num_tokens
 

@@ -24,10 +24,14 @@ from jax.sharding import PartitionSpec as P
 from shardkit.mesh import make_mesh
 from shardkit.sequence import (
     MASK_VALUE,
+    SEQ_RING,
+    SEQ_ULYSSES,
     USP_SEQ,
     attention_local,
     attention_ring,
     attention_ring_autodiff,
+    attention_ulysses,
+    attention_usp,
     heads_to_seq,
     pad_tokens,
     seq_to_heads,
@@ -219,6 +223,70 @@ def test_composes_with_data_and_model_axes(mode: str, shape: dict[str, int], hea
     assert max(rel_l2(g, w) for g, w in zip(got, want, strict=True)) <= TOL
 
 
+def padded_attention(mode: str, n: int, tokens: int, by_positions: bool, key_chunk=None):
+    """(q, k, v) -> (out, lse) on n devices over ``tokens`` padded to a multiple of n.
+
+    The padding is masked by a ``key_valid`` array (data that travels) or, with
+    ``by_positions``, by ``num_valid=tokens`` (computed locally).
+    USP runs as ring n/2 × Ulysses 2.
+    """
+    mesh, seq = seq_mesh(n), "seq"
+    if mode == "ring":
+        attn = functools.partial(attention_ring, axis="seq", key_chunk=key_chunk)
+    elif mode == "ulysses":
+        attn = functools.partial(attention_ulysses, axis="seq")
+    else:
+        mesh, seq = usp_mesh(mesh, 2), USP_SEQ
+        attn = functools.partial(
+            attention_usp, ulysses_axis=SEQ_ULYSSES, ring_axis=SEQ_RING, key_chunk=key_chunk
+        )
+
+    def body(q, k, v, valid):
+        if by_positions:
+            return attn(q, k, v, None, num_valid=tokens)
+        return attn(q, k, v, valid)
+
+    spec, lse_spec = P(None, seq, None, None), P(None, None, seq)
+    sharded = jax.shard_map(
+        body, mesh=mesh, in_specs=(spec, spec, spec, P(seq)), out_specs=(spec, lse_spec)
+    )
+    valid = jnp.arange(-(-tokens // n) * n) < tokens
+    return lambda q, k, v: sharded(q, k, v, valid)
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses", "usp"])
+@pytest.mark.parametrize(
+    ("tokens", "key_chunk"),
+    [(3, None), (13, None), (13, 1), (37, 2)],  # 3 < 8 devices: fully padded blocks
+)
+def test_num_valid_equals_key_valid_exactly(mode: str, tokens: int, key_chunk) -> None:
+    n = 8
+    chunk = None if mode == "ulysses" else key_chunk
+    case = Case(n, 2, 2, -(-tokens // n) * n, 8, 4, "none", tokens)
+    q, k, v, w_out, w_lse, _ = make_inputs(case)
+    results = [
+        outputs_and_grads(padded_attention(mode, n, tokens, by, chunk), q, k, v, w_out, w_lse)
+        for by in (False, True)
+    ]
+    for name, data, positions in zip(("out", "lse", "dq", "dk", "dv"), *results, strict=True):
+        np.testing.assert_array_equal(positions, data, err_msg=f"{mode} {name}")
+    want = outputs_and_grads(
+        lambda q, k, v: reference_attention(*(x[:, :tokens] for x in (q, k, v))), q, k, v, 0, 0
+    )
+    assert rel_l2(results[1][0][:, :tokens], want[0]) <= TOL
+
+
+def test_num_valid_and_key_valid_combine() -> None:
+    # A data mask and a padding count together: a key is real only if both say so.
+    case = Case(4, 1, 2, 7, 2, 4, "random", 21)
+    q, k, v, w_out, w_lse, valid = make_inputs(case)
+    both = functools.partial(sharded_attention, mesh=seq_mesh(4), key_valid=valid, num_valid=5)
+    got = outputs_and_grads(both, q, k, v, w_out, w_lse)
+    mask = valid & (jnp.arange(7) < 5)[None]
+    want = outputs_and_grads(lambda *a: reference_attention(*a, mask), q, k, v, w_out, w_lse)
+    assert max(rel_l2(g, w) for g, w in zip(got, want, strict=True)) <= TOL
+
+
 # ----------------------------------------------------------------------------- numerics
 
 
@@ -396,6 +464,27 @@ def test_ring_hlo_permutes_without_all_gather() -> None:
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(arg, arg, arg).jaxpr
     # Depth 1: in the hop loop; 0: dK, dV home. None at depth 2, inside a hop's chunk loop.
     assert sorted(set(ppermute_loop_depths(jaxpr))) == [0, 1]
+
+
+def padded_grad_hlo(mode: str, by_positions: bool) -> str:
+    """Compiled grad HLO of ``padded_attention`` (13 tokens on 8 devices, 16 padded)."""
+    f = padded_attention(mode, 8, 13, by_positions)
+    loss = lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)[0]))  # noqa: E731
+    arg = jax.ShapeDtypeStruct((1, 16, 8, 4), jnp.float32)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(arg, arg, arg).compile().as_text()
+
+
+def test_num_valid_sends_no_mask() -> None:
+    pred_permute = r"= pred\[[^\]]*\]\S* collective-permute"
+    ring_data, ring_positions = (padded_grad_hlo("ring", by) for by in (False, True))
+    assert re.search(pred_permute, ring_data)  # a key_valid array travels with K, V
+    assert not re.search(pred_permute, ring_positions)
+    assert collective_counts(ring_positions)["collective-permute"] == 8
+    uly_data, uly_positions = (padded_grad_hlo("ulysses", by) for by in (False, True))
+    assert collective_counts(uly_data)["all-gather"] == 1
+    assert collective_counts(uly_positions)["all-gather"] == 0
+    usp = collective_counts(padded_grad_hlo("usp", True))
+    assert usp["all-gather"] == 0 and not re.search(pred_permute, padded_grad_hlo("usp", True))
 
 
 def test_ulysses_hlo_has_all_to_alls() -> None:
