@@ -7,12 +7,13 @@ one AdamW step. See ``shardkit.testing`` for the error definition. It also compi
 step and holds its collectives to ``shardkit.cost`` (counts equal, bytes within 1%): the
 "sent MB" and "model MB" columns are bytes sent per device per step, measured and expected.
 
-The optimizer is AdamW with eps=1e-4 instead of optax's 1e-8. Some gradients are analytically
+The optimizer is AdamW with eps=1e-3 instead of optax's 1e-8. Some gradients are analytically
 zero (the key-projection bias: softmax ignores a per-query constant), so both runs hold only
-float32 rounding noise there (~1e-9), and Adam's first step, lr·g/(|g| + eps), turns that noise
-into updates of up to ±lr that differ between any two correct implementations. With eps=1e-4
-the noise moves those params by < lr·1e-5, while real gradients (≥ 1e-3 per entry here) still
-take full Adam steps, so a wrong or missing update remains an error of order 1e-2.
+float32 rounding noise there, and Adam's first step, lr·g/(|g| + eps), turns that noise into
+updates of up to ±lr that differ between any two correct implementations. With eps=1e-3 the
+noise moves those params by ~lr·1e-5 (measured: a 16-wide 2-layer model on data=2 × model=2
+gives a step error of 1.1e-6, against 1.1e-5 with eps=1e-4), while real gradients still take
+at least half an Adam step, so a wrong or missing update remains an error of order 1e-2.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2}
 
 
 def verify_optimizer() -> optax.GradientTransformation:
-    return optax.adamw(1e-3, eps=1e-4, weight_decay=1e-4)
+    return optax.adamw(1e-3, eps=1e-3, weight_decay=1e-4)
 
 
 @dataclasses.dataclass(frozen=True)

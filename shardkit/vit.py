@@ -327,7 +327,7 @@ class ShardedViT:
         self.sync_axes = grad_sync_axes(cfg, plan, self.layout)
         # Size-1 axes split nothing and appear in no spec (so no value is typed varying on them).
         self.batch_spec = P("data") if plan.size("data") > 1 else P()
-        self._steps: dict[int, Callable[..., Any]] = {}
+        self._steps: dict[optax.GradientTransformation, Callable[..., Any]] = {}
 
     def __repr__(self) -> str:
         return (
@@ -411,7 +411,7 @@ class ShardedViT:
         params and opt_state are donated. The update is elementwise on arrays sharded like
         their params, so it adds no communication.
         """
-        key = id(optimizer)
+        key = optimizer  # kept alive by the cache, so never confused with a later one
         if key not in self._steps:
             grad_fn = self._shard_map(
                 self._loss_and_grads_local,

@@ -1,0 +1,299 @@
+"""shardkit.data: gradient sync, FSDP gather and ZeRO-1 equal their unsharded twins.
+
+Twins: the gradient of the same loss on the whole batch (``jax.grad`` outside any mesh) and one
+unsharded optax AdamW step. Collectives are checked where they are made: the lowered program
+(before XLA's passes) holds exactly one all-reduce per gradient bucket, and the compiled one
+moves the bytes the cost model says (XLA may merge all-reduces into one tuple op, so bytes, not
+instruction counts, are compared there).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from shardkit import data as dp
+from shardkit import ledger
+from shardkit.mesh import make_mesh
+from shardkit.testing import assert_trees_close
+
+TOL = 1e-5
+
+
+@functools.cache
+def mesh_of(data: int, model: int = 1) -> Mesh:
+    return make_mesh({"data": data, "model": model})
+
+
+def lowered_all_reduces(fn: Any, *args: Any) -> int:
+    """All-reduces JAX emits for ``fn`` (StableHLO, before XLA may combine them)."""
+    return len(re.findall(r"stablehlo\.all_reduce", jax.jit(fn).lower(*args).as_text()))
+
+
+def bytes_sent(fn: Any, *args: Any, kind: str, mesh: Mesh) -> float:
+    return sum(c.total_bytes_sent for c in ledger.measure(fn, *args, mesh=mesh).select(kind))
+
+
+# ----------------------------------------------------------------------------- sync_grads
+
+# Per leaf: global array [data, (model,) ...] of per-device summands, its in_spec, the axes
+# sync_grads reduces it over, and its out_spec once reduced.
+DATA, MODEL = 2, 2
+SYNC_LEAVES = {
+    "a": ((DATA, 4, 3), np.float32, P("data"), ("data",), P()),
+    "b": ((DATA, 5), np.float32, P("data"), ("data",), P()),
+    "c": ((DATA, MODEL, 2, 2), np.float32, P("data", "model"), ("data", "model"), P()),
+    "d": ((DATA, MODEL, 6), np.float32, P("data", "model"), ("data",), P("model")),
+    "e": ((DATA, 4), jnp.bfloat16, P("data"), ("data",), P()),
+    "f": ((DATA, 3), np.float32, P("data"), (), P("data")),
+}
+# Buckets (axes, varying, dtype): {a, b}; {c}; {d} (split over model: never mixed with a, b);
+# {e} (bf16); f is not reduced.
+BUCKETS = 4
+
+
+def sync_inputs() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)  # small integers: every sum is exact, in bf16 too
+    return {
+        name: rng.integers(-8, 8, shape).astype(dtype)
+        for name, (shape, dtype, *_) in SYNC_LEAVES.items()
+    }
+
+
+def sync_fn():
+    axes = {name: leaf[3] for name, leaf in SYNC_LEAVES.items()}
+
+    def body(blocks: dict) -> dict:
+        # Drop the device dims: each device now holds one summand of each gradient leaf.
+        grads = {n: b[0, 0] if n in ("c", "d") else b[0] for n, b in blocks.items()}
+        out = dp.sync_grads(grads, axes)
+        return {**out, "d": out["d"][None], "f": out["f"][None]}
+
+    in_specs = ({n: leaf[2] for n, leaf in SYNC_LEAVES.items()},)
+    out_specs = {n: leaf[4] for n, leaf in SYNC_LEAVES.items()}
+    return jax.shard_map(body, mesh=mesh_of(DATA, MODEL), in_specs=in_specs, out_specs=out_specs)
+
+
+def test_sync_grads_sums_each_leaf_over_its_axes() -> None:
+    grads = sync_inputs()
+    out = jax.jit(sync_fn())(grads)
+    for name in "abe":
+        np.testing.assert_array_equal(out[name], grads[name].sum(0), err_msg=name)
+    np.testing.assert_array_equal(out["c"], grads["c"].sum((0, 1)))
+    np.testing.assert_array_equal(out["d"], grads["d"].sum(0))  # [model, 6]: per model shard
+    np.testing.assert_array_equal(out["f"], grads["f"])
+    assert out["e"].dtype == jnp.bfloat16
+
+
+def test_sync_grads_one_all_reduce_per_bucket() -> None:
+    """4 buckets, 4 all-reduces as JAX emits them; XLA may then merge those over the same
+    devices into one tuple all-reduce, so the compiled program is held to the bytes."""
+    grads = sync_inputs()
+    assert lowered_all_reduces(sync_fn(), grads) == BUCKETS
+
+    def ring_bytes(names: str, n: int) -> float:
+        # Per device: the block without its device dims. XLA's CPU backend all-reduces bf16 in
+        # f32, so "e" moves 4 bytes per element.
+        local = {k: grads[k][0].size // (MODEL if k in "cd" else 1) for k in names}
+        return 2 * (n - 1) / n * 4 * sum(local.values())
+
+    expected = ring_bytes("abde", DATA) + ring_bytes("c", DATA * MODEL)
+    sent = bytes_sent(sync_fn(), grads, kind="all-reduce", mesh=mesh_of(DATA, MODEL))
+    assert sent == pytest.approx(expected)
+
+
+# ----------------------------------------------------------------------------- vary + sync
+
+
+def linear_loss(params: dict, x: jax.Array, batch: int) -> jax.Array:
+    """A non-linear loss of a tiny model; ``batch`` is the GLOBAL batch size."""
+    h = jnp.tanh(x @ params["kernel"] + params["bias"][None])
+    return jnp.sum(jnp.sin(h) * params["scale"][None]) / batch
+
+
+def dp_grads(use_vary: bool):
+    """DP gradients on data=4: batch split, params replicated, explicit (or implicit) sums."""
+    mesh = mesh_of(4)
+    axes = {"kernel": ("data",), "bias": ("data",), "scale": ("data",)}
+
+    def body(params: dict, x_block: jax.Array) -> dict:
+        batch = x_block.shape[0] * 4
+        if not use_vary:  # invariant params: check_vma's casts transpose into one psum per leaf
+            return jax.grad(linear_loss)(params, x_block, batch)
+        grads = jax.grad(linear_loss)(dp.vary(params, axes), x_block, batch)
+        assert all(dp.varying_axes(g) == {"data"} for g in jax.tree.leaves(grads))  # {U_data}
+        return dp.sync_grads(grads, axes)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+
+
+def linear_inputs() -> tuple[dict, np.ndarray]:
+    rng = np.random.default_rng(1)
+    params = {
+        "kernel": rng.standard_normal((5, 3)).astype(np.float32),
+        "bias": rng.standard_normal(3).astype(np.float32),
+        "scale": rng.standard_normal(3).astype(np.float32),
+    }
+    return params, rng.standard_normal((8, 5)).astype(np.float32)
+
+
+def test_vary_then_sync_grads_equals_the_whole_batch_gradient() -> None:
+    params, x = linear_inputs()
+    want = jax.grad(linear_loss)(params, x, x.shape[0])
+    for use_vary in (True, False):
+        assert_trees_close(jax.jit(dp_grads(use_vary))(params, x), want, TOL)
+    # vary makes the gradient sum explicit and bucketed: one all-reduce instead of one per leaf.
+    assert lowered_all_reduces(dp_grads(True), params, x) == 1
+    assert lowered_all_reduces(dp_grads(False), params, x) == len(params)
+
+
+def test_vary_is_an_identity_cast() -> None:
+    mesh = mesh_of(2, 2)
+    x = np.arange(6.0, dtype=np.float32)
+
+    def body(x: jax.Array) -> jax.Array:
+        tree = dp.vary({"a": x, "b": x}, {"a": ("data", "model"), "b": ()})
+        assert dp.varying_axes(tree["a"]) == {"data", "model"} and not dp.varying_axes(tree["b"])
+        return tree["a"][None, None]
+
+    out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P("data", "model")))(x)
+    np.testing.assert_array_equal(out, np.broadcast_to(x, (2, 2, 6)))
+
+
+# ----------------------------------------------------------------------------- FSDP
+
+FSDP_N = 4
+FSDP_DIMS = {"kernel": 0, "scale": None, "bias": 0}  # kernel [D_data, F], bias [F_data]
+FSDP_SPECS = {"kernel": P("data"), "scale": P(), "bias": P("data")}
+
+
+def fsdp_inputs() -> tuple[dict, np.ndarray]:
+    rng = np.random.default_rng(2)
+    params = {
+        "kernel": rng.standard_normal((8, 4)).astype(np.float32),
+        "bias": rng.standard_normal(4).astype(np.float32),
+        "scale": rng.standard_normal(4).astype(np.float32),
+    }
+    return params, rng.standard_normal((8, 8)).astype(np.float32)
+
+
+def fsdp_loss(params_split: dict, x: jax.Array) -> jax.Array:
+    """Batch and params split over data; the weights are gathered just before use."""
+
+    def body(p_frag: dict, x_block: jax.Array) -> jax.Array:
+        p = dp.fsdp_gather(p_frag, FSDP_DIMS)
+        return linear_loss(p, x_block, x.shape[0])[None]
+
+    mesh = mesh_of(FSDP_N)
+    per_device = jax.shard_map(
+        body, mesh=mesh, in_specs=(FSDP_SPECS, P("data")), out_specs=P("data")
+    )
+    return per_device(params_split, x).sum()
+
+
+def test_fsdp_gather_materialises_the_whole_weights() -> None:
+    params, _ = fsdp_inputs()
+
+    def body(p_frag: dict) -> dict:
+        assert p_frag["kernel"].shape == (8 // FSDP_N, 4)  # w[D_data, F]
+        p = dp.fsdp_gather(p_frag, FSDP_DIMS)
+        assert dp.varying_axes(p["kernel"]) == {"data"}  # all_gather keeps the type varying
+        p["scale"] = jax.lax.pcast(p["scale"], "data", to="varying")  # not split: invariant
+        return jax.tree.map(lambda w: w[None], p)
+
+    fn = jax.shard_map(body, mesh=mesh_of(FSDP_N), in_specs=(FSDP_SPECS,), out_specs=P("data"))
+    for name, gathered in jax.jit(fn)(params).items():
+        np.testing.assert_array_equal(gathered, np.broadcast_to(params[name], gathered.shape))
+
+
+def test_fsdp_gradient_is_the_whole_gradient_reduce_scattered() -> None:
+    params, x = fsdp_inputs()
+    mesh = mesh_of(FSDP_N)
+    placed = jax.device_put(params, jax.tree.map(lambda s: jax.NamedSharding(mesh, s), FSDP_SPECS))
+    grad_fn = jax.jit(jax.grad(fsdp_loss))
+    grads = grad_fn(placed, x)
+    assert_trees_close(grads, jax.grad(linear_loss)(params, x, x.shape[0]), TOL)
+    for name in ("kernel", "bias"):  # arrive split: dw[D_data]
+        assert grads[name].sharding.spec == P("data")
+        shapes = {s.data.shape for s in grads[name].addressable_shards}
+        assert shapes == {(params[name].shape[0] // FSDP_N, *params[name].shape[1:])}
+    # The transpose of the all-gather: a reduce-scatter of each split gradient, no all-reduce.
+    split_bytes = params["kernel"].nbytes + params["bias"].nbytes
+    rs = bytes_sent(grad_fn, placed, x, kind="reduce-scatter", mesh=mesh)
+    assert rs == pytest.approx((FSDP_N - 1) / FSDP_N * split_bytes)
+    ar = ledger.measure(grad_fn, placed, x, mesh=mesh).select("all-reduce")
+    assert sum(c.result_bytes for c in ar) <= params["scale"].nbytes + 4  # scale's grad (+ loss)
+
+
+# ----------------------------------------------------------------------------- ZeRO-1
+
+ZERO_N = 4
+ZERO_DIMS = {"kernel": 0, "scale": None, "bias": 0}
+
+
+def zero1_specs(optimizer: optax.GradientTransformation, params: dict) -> Any:
+    """Optimizer-state specs: param-shaped leaves split like ZERO_DIMS, the rest replicated."""
+    return optax.tree_map_params(
+        optimizer,
+        lambda _, dim: P("data") if dim == 0 else P(),
+        optimizer.init(params),
+        ZERO_DIMS,
+        transform_non_params=lambda _: P(),
+        is_leaf=lambda x: x is None,
+    )
+
+
+def test_zero1_step_equals_the_unsharded_adamw_step() -> None:
+    """One ZeRO-1 AdamW step: reduce-scatter the gradient, update a 1/n slice, all-gather."""
+    params, x = fsdp_inputs()
+    optimizer = optax.adamw(1e-2, weight_decay=1e-2)
+    mesh = mesh_of(ZERO_N)
+    state_specs = zero1_specs(optimizer, params)
+    batch = x.shape[0]
+
+    def body(params: dict, state_frag: Any, x_block: jax.Array) -> tuple[dict, Any]:
+        axes = {name: ("data",) for name in params}
+        grads = jax.grad(linear_loss)(dp.vary(params, axes), x_block, batch)  # dw{U_data}
+        return dp.zero1_update(optimizer, grads, state_frag, params, ZERO_DIMS)
+
+    step = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(), state_specs, P("data")),
+            out_specs=(P(), state_specs),
+        )
+    )
+    state = jax.device_put(
+        optimizer.init(params), jax.tree.map(lambda s: jax.NamedSharding(mesh, s), state_specs)
+    )
+    new_params, new_state = step(params, state, x)
+
+    want_state = optimizer.init(params)
+    grads = jax.grad(linear_loss)(params, x, batch)
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32 counts
+        updates, want_state = optimizer.update(grads, want_state, params)
+        want_params = optax.apply_updates(params, updates)
+    assert_trees_close(new_params, want_params, TOL)
+    assert_trees_close(new_state, want_state, TOL)
+    adam = new_state[0]
+    for name, dim in ZERO_DIMS.items():  # each device holds 1/n of the split moments
+        for moment in (adam.mu[name], adam.nu[name]):
+            shapes = {s.data.shape for s in moment.addressable_shards}
+            full = params[name].shape
+            split = full if dim is None else (full[0] // ZERO_N, *full[1:])
+            assert shapes == {split}, name
+    # Same bytes as one all-reduce of the split leaves: a reduce-scatter plus an all-gather.
+    split_bytes = params["kernel"].nbytes + params["bias"].nbytes
+    one_way = (ZERO_N - 1) / ZERO_N * split_bytes
+    for kind in ("reduce-scatter", "all-gather"):
+        assert bytes_sent(step, params, state, x, kind=kind, mesh=mesh) == pytest.approx(one_way)

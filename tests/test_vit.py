@@ -1,0 +1,387 @@
+"""shardkit.vit: the sharded ViT equals vit_ref on every plan (logits, every gradient, one step).
+
+Twin: vit_ref's forward, ``jax.grad(loss_fn)`` and one optax update (``verify_optimizer``) on the
+same params and batch, compared leaf by leaf with ``assert_trees_close`` (1e-5 relative L2 in
+fp32). Params are drawn non-degenerate: a random head, and biases, LayerNorm parameters, class
+token and position embedding away from their 0 / 1 inits, so a bias or scale applied in the
+wrong place (once per shard, or not at all) changes the logits.
+
+Compile time dominates on CPU: per drawn case the reference and the sharded model are each ONE
+program (logits, gradients and the AdamW update together), models are cached per (cfg, plan),
+and XLA's backend optimisations are off for this module (values, not speed, are under test).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import example, given
+
+import vit_ref
+from shardkit import verify
+from shardkit.mesh import Plan, PlanError, make_mesh, parse_mesh
+from shardkit.testing import assert_trees_close, sharded_cases
+from shardkit.vit import ShardedViT, check_plan
+from vit_ref.train import apply_optimizer
+
+TOL = verify.TOLERANCE["float32"]
+Case = tuple[vit_ref.ViTConfig, Plan, int]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fast_compile() -> Iterator[None]:
+    """Skips XLA's backend optimisations while this module runs: compiles take half the time.
+
+    Afterwards the cached models are dropped: every loaded CPU executable holds ~400 memory
+    mappings until it is freed, and a process may have 65530 (vm.max_map_count), beyond which
+    XLA segfaults (seen with the thorough profile before the model cache was bounded).
+    """
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+    _model.cache_clear()
+    compiled_train_step.cache_clear()
+    gc.collect()
+
+
+def vit(**overrides: Any) -> vit_ref.ViTConfig:
+    base = dict(image=8, patch=4, channels=3, classes=5, dim=16, depth=2, heads=2, mlp_dim=16)
+    return vit_ref.ViTConfig(**{**base, "head_zeroinit": False, **overrides})
+
+
+# ----------------------------------------------------------------------------- twins
+
+
+def params_for(cfg: vit_ref.ViTConfig, seed: int = 0) -> dict:
+    """Random params shaped like ``vit_ref.init``'s, none degenerate (drawn with NumPy: no compile).
+
+    Kernels ~ N(0, 1/fan_in) like the init's; every other leaf (biases, LayerNorm, class token,
+    position embedding) is its init value (0, or 1 for scales) plus N(0, 0.1²) noise.
+    """
+    shapes = jax.eval_shape(functools.partial(vit_ref.init, cfg=cfg), jax.random.key(seed))
+    rng = np.random.default_rng(seed)
+
+    def draw(path: tuple, leaf: jax.ShapeDtypeStruct, names: tuple) -> np.ndarray:
+        noise = rng.standard_normal(leaf.shape, np.float32)
+        if path[-1].key != "kernel":
+            return 0.1 * noise + (1.0 if path[-1].key == "scale" else 0.0)
+        # Contracted dims: all but the output's (heads × head_dim for q, k, v; else the last).
+        dims = [size for size, name in zip(leaf.shape, names, strict=True) if name != "layers"]
+        outputs = 2 if names[-2:] == ("heads", "head_dim") else 1
+        return noise / math.sqrt(math.prod(dims[:-outputs]))
+
+    axes = vit_ref.param_axes(cfg)
+    return jax.tree_util.tree_map_with_path(draw, shapes, axes)
+
+
+def batch_for(cfg: vit_ref.ViTConfig, batch: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    images = rng.standard_normal((batch, cfg.image, cfg.image, cfg.channels), "f4")
+    return images, rng.integers(0, cfg.classes, batch).astype(np.int32)
+
+
+def results(params: dict, images: Any, labels: Any, cfg: vit_ref.ViTConfig) -> dict:
+    """The reference: logits, gradients and params after one AdamW step, in one program."""
+    optimizer = verify.verify_optimizer()
+
+    @jax.jit
+    def run(params: dict, images: jax.Array, labels: jax.Array) -> dict:
+        logits, _ = vit_ref.forward(params, images, cfg)
+        loss, grads = jax.value_and_grad(vit_ref.loss_fn)(params, images, labels, cfg)
+        stepped, _ = apply_optimizer(optimizer, grads, optimizer.init(params), params)
+        return {"logits": logits, "grads": grads, "step": stepped, "loss": loss}
+
+    return run(params, images, labels)
+
+
+def plan_key(plan: Plan) -> tuple:
+    return (tuple(plan.mesh.items()), plan.sp, plan.ulysses, plan.fsdp, plan.remat)
+
+
+@functools.lru_cache(maxsize=16)  # bounded: see fast_compile
+def _model(cfg: vit_ref.ViTConfig, key: tuple) -> tuple[ShardedViT, Any]:
+    mesh, sp, ulysses, fsdp, remat = key
+    model = ShardedViT(cfg, Plan(dict(mesh), sp=sp, ulysses=ulysses, fsdp=fsdp, remat=remat))
+    optimizer = verify.verify_optimizer()
+
+    @jax.jit
+    def run(params: dict, opt_state: Any, images: jax.Array, labels: jax.Array) -> dict:
+        # The public jitted functions, inlined into one program; the update is train_step's.
+        logits = model.forward(params, images)
+        loss, grads = model.loss_and_grads(params, images, labels)
+        stepped, _ = apply_optimizer(optimizer, grads, opt_state, params)
+        return {"logits": logits, "grads": grads, "step": stepped, "loss": loss}
+
+    return model, lambda p, *batch: run(p, model.init_opt_state(optimizer, p), *batch)
+
+
+def sharded_model(cfg: vit_ref.ViTConfig, plan: Plan) -> tuple[ShardedViT, Any]:
+    """(ShardedViT, its one-program run(params, images, labels)), built once per (cfg, plan)."""
+    return _model(cfg, plan_key(plan))
+
+
+def sharded_results(cfg: vit_ref.ViTConfig, plan: Plan, params: dict, images, labels) -> dict:
+    model, run = sharded_model(cfg, plan)
+    placed = model.shard(params)
+    return run(placed, *model.shard_batch(images, labels))
+
+
+def check_equal_to_reference(case: Case, tol: float = TOL) -> None:
+    cfg, plan, batch = case
+    check_plan(cfg, plan, batch)
+    params = params_for(cfg)
+    images, labels = batch_for(cfg, batch)
+    got = sharded_results(cfg, plan, params, images, labels)
+    want = results(params, images, labels, cfg)
+    for what in got:
+        assert_trees_close(got[what], want[what], tol, what=f"{what} of {plan} on {cfg}")
+
+
+# ----------------------------------------------------------------------------- data × model
+
+
+@given(case=sharded_cases(max_devices=8, sp_modes=("none",)))
+@example(
+    case=(vit(pool="gap", posemb="sincos2d", dim=24), Plan({"data": 3, "model": 2}, fsdp=True), 3)
+)
+@example(case=(vit(heads=3, dim=12, mlp_dim=12, pool="tok"), Plan({"data": 1, "model": 3}), 2))
+def test_data_model_meshes_match_reference(case: Case) -> None:
+    check_equal_to_reference(case)
+
+
+# ----------------------------------------------------------------------------- data × seq × model
+
+SP_EXAMPLES = {
+    # 2 tokens on 4 seq devices: blocks of pure padding; remat; FSDP over data=2.
+    "ring": (
+        vit(image=4, pool="tok"),
+        Plan({"data": 2, "seq": 4}, sp="ring", fsdp=True, remat=True),
+        2,
+    ),
+    # 5 tokens over seq=2; heads 4 = model 2 × Ulysses 2.
+    "ulysses": (vit(heads=4), Plan({"data": 2, "seq": 2, "model": 2}, sp="ulysses"), 2),
+    # Ulysses 2 × ring 2 (a true hybrid), 9 tokens over 4, gap pooling of padded shards.
+    "usp": (
+        vit(image=6, patch=2, pool="gap", heads=2, posemb="sincos2d"),
+        Plan({"data": 2, "seq": 4}, sp="usp", ulysses=2),
+        2,
+    ),
+    # 17 tokens (16 patches + class token) over model=4, FSDP over data=2.
+    "megatron": (
+        vit(image=16, heads=4, pool="tok"),
+        Plan({"data": 2, "model": 4}, sp="megatron", fsdp=True),
+        4,
+    ),
+}
+
+
+@given(case=sharded_cases(max_devices=8, sp_modes=("megatron", "ring", "ulysses", "usp")))
+@example(case=SP_EXAMPLES["ring"])
+@example(case=SP_EXAMPLES["ulysses"])
+@example(case=SP_EXAMPLES["usp"])
+@example(case=SP_EXAMPLES["megatron"])
+def test_sequence_parallel_meshes_match_reference(case: Case) -> None:
+    check_equal_to_reference(case)
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_large_inputs_stay_finite(mode: str) -> None:
+    """Images ×1e3 and query/key kernels ×30: no inf or NaN in logits, grads or the step.
+
+    Pre-LN blocks normalise the images' scale away before attention, so the query and key
+    kernels are scaled too: attention logits ~1e3 times larger, fully saturated softmax rows,
+    and padded keys that must stay masked with a finite mask value.
+    """
+    cfg, plan, batch = SP_EXAMPLES[mode]  # its compiled program is reused from the test above
+    params = params_for(cfg)
+    for name in ("query", "key"):
+        params["blocks"]["attn"][name]["kernel"] *= 30.0
+    images, labels = batch_for(cfg, batch)
+    got = sharded_results(cfg, plan, params, images * 1e3, labels)
+    for what, tree in got.items():
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            assert np.isfinite(np.asarray(leaf)).all(), f"{what}{jax.tree_util.keystr(path)}"
+
+
+def test_bfloat16_within_its_documented_bound() -> None:
+    """bf16 compute, sharded vs vit_ref in bf16: within verify.TOLERANCE["bfloat16"]."""
+    cfg = vit(dtype="bfloat16", heads=4, pool="gap")
+    plan = Plan({"data": 2, "seq": 2, "model": 2}, sp="ring", fsdp=True)
+    check_equal_to_reference((cfg, plan, 2), tol=verify.TOLERANCE["bfloat16"])
+
+
+# ----------------------------------------------------------------------------- FSDP memory
+
+FSDP_N = 4
+FSDP_CFG = vit(pool="tok")  # dim 16: every embed dim splits over data=4
+
+
+def local_bytes(tree: Any) -> int:
+    """Bytes one device holds of every array in ``tree`` (all devices hold equal shares here)."""
+    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
+
+
+def train_step_args(model: ShardedViT) -> tuple:
+    """(params, opt_state, images, labels) placed for ``model`` (fresh: the step donates)."""
+    params = model.shard(params_for(FSDP_CFG))
+    state = model.init_opt_state(verify.verify_optimizer(), params)
+    return (params, state, *model.shard_batch(*batch_for(FSDP_CFG, FSDP_N)))
+
+
+@functools.cache
+def compiled_train_step(fsdp: bool) -> tuple[ShardedViT, Any]:
+    """The real (donating) train step on data=4, with and without FSDP, compiled once."""
+    model, _ = sharded_model(FSDP_CFG, Plan({"data": FSDP_N}, fsdp=fsdp))
+    step = model.train_step(verify.verify_optimizer())
+    return model, step.lower(*train_step_args(model)).compile()
+
+
+def test_fsdp_holds_each_split_param_at_one_nth_per_device() -> None:
+    n, split, args, argument_bytes = FSDP_N, {}, {}, {}
+    for fsdp in (False, True):
+        model, compiled = compiled_train_step(fsdp)
+        args[fsdp] = train_step_args(model)
+        argument_bytes[fsdp] = compiled.memory_analysis().argument_size_in_bytes
+        split[fsdp] = {
+            jax.tree_util.keystr(path): leaf
+            for path, leaf in jax.tree_util.tree_leaves_with_path(args[fsdp][0])
+            if "data" in leaf.sharding.spec
+        }
+    # Exactly the leaves with an "embed" dim are split, each holding 1/n of it per device.
+    embed_leaves = {
+        jax.tree_util.keystr(path)
+        for path, names in jax.tree_util.tree_leaves_with_path(
+            vit_ref.param_axes(FSDP_CFG), is_leaf=lambda x: isinstance(x, tuple)
+        )
+        if "embed" in names
+    }
+    assert not split[False] and set(split[True]) == embed_leaves
+    for name, leaf in split[True].items():
+        dim = list(leaf.sharding.spec).index("data")
+        want = (*leaf.shape[:dim], leaf.shape[dim] // n, *leaf.shape[dim + 1 :])
+        assert {s.data.shape for s in leaf.addressable_shards} == {want}, name
+        assert len({s.device for s in leaf.addressable_shards}) == n
+    # XLA's argument bytes per device: params, AdamW's mu and nu (split like the params), the
+    # step count and the batch shard. FSDP saves (1 - 1/n) of three copies of the split params.
+    for fsdp in (False, True):
+        assert argument_bytes[fsdp] == local_bytes(args[fsdp]), fsdp
+    split_bytes = sum(leaf.nbytes for leaf in split[True].values())
+    assert argument_bytes[False] - argument_bytes[True] == 3 * split_bytes * (1 - 1 / n)
+
+
+def test_train_step_donates_and_matches_reference() -> None:
+    """The real train_step (FSDP, donated buffers) equals vit_ref's step and loss."""
+    model, compiled = compiled_train_step(True)
+    args = train_step_args(model)
+    stepped, _, metrics = compiled(*args)
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(args[:2]))  # donated
+    want = results(params_for(FSDP_CFG), *batch_for(FSDP_CFG, FSDP_N), FSDP_CFG)
+    assert_trees_close(stepped, want["step"], TOL, what="train_step")
+    assert_trees_close(metrics["loss"], want["loss"], TOL, what="loss")
+
+
+# ----------------------------------------------------------------------------- plan errors
+
+CFG = vit(dim=12, heads=6, mlp_dim=10)
+PLAN_ERRORS = [
+    (dict(batch=6), Plan({"data": 4}), "batch=6 is not divisible by data=4"),
+    ({}, Plan({"model": 4}), "heads=6 is not divisible by model=4"),
+    ({}, Plan({"model": 3}), "mlp_dim=10 is not divisible by model=3"),
+    ({}, Plan({"data": 8}, fsdp=True), "dim=12 is not divisible by data=8"),
+    ({}, Plan({"seq": 2}), "sp='none' does not split tokens over seq, but the mesh has seq=2"),
+    (
+        {},
+        Plan({"data": 2}, sp="megatron"),
+        "'megatron' splits tokens over the model axis, but the mesh has model=1",
+    ),
+    (
+        {},
+        Plan({"data": 2}, sp="ring"),
+        "sp='ring' splits tokens over the seq axis, but the mesh has seq=1",
+    ),
+    ({}, Plan({"seq": 4}, sp="ulysses"), r"heads per model shard \(6//1=6\) divisible by seq=4"),
+    ({}, Plan({"seq": 2, "model": 2}, sp="ulysses"), r"\(6//2=3\) divisible by seq=2"),
+    (
+        {},
+        Plan({"seq": 2}, sp="ring", ulysses=2),
+        "--ulysses 2 only applies to sp='usp', not sp='ring'",
+    ),
+    (
+        {},
+        Plan({"seq": 4}, sp="usp", ulysses=3),
+        "Ulysses degree 3 must divide both the seq axis size 4 and the local head count 6",
+    ),
+    (
+        {},
+        Plan({"seq": 4, "model": 2}, sp="usp", ulysses=2),
+        "Ulysses degree 2 must divide both the seq axis size 4 and the local head count 3",
+    ),
+]
+
+
+def assert_one_sentence(err: Exception) -> None:
+    message = str(err)
+    assert "\n" not in message and message.endswith(".") and ". " not in message, message
+
+
+@pytest.mark.parametrize(("kwargs", "plan", "match"), PLAN_ERRORS)
+def test_check_plan_names_dimension_axis_and_sizes(kwargs: dict, plan: Plan, match: str) -> None:
+    with pytest.raises(PlanError, match=match) as err:
+        check_plan(CFG, plan, kwargs.get("batch"))
+    assert_one_sentence(err.value)
+    if "batch" in kwargs:
+        with pytest.raises(PlanError, match=match):
+            ShardedViT(CFG, plan).check_batch(kwargs["batch"])
+    else:  # the constructor validates before it builds anything
+        with pytest.raises(PlanError, match=match):
+            ShardedViT(CFG, plan)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (
+            lambda: make_mesh({"data": 4, "model": 4}),
+            "data=4,seq=1,model=4 needs 16 devices but only 8 are available",
+        ),
+        (
+            lambda: ShardedViT(CFG, Plan({"data": 3, "seq": 3}, sp="ring")),
+            "needs 9 devices but only 8",
+        ),
+        (lambda: make_mesh({"pipe": 2}), "Unknown mesh axis 'pipe'; axes are data, seq, model"),
+        (
+            lambda: parse_mesh("data=2,pipe=2"),
+            "Unknown mesh axis 'pipe'; axes are data, seq, model",
+        ),
+        (lambda: Plan({"pipe": 2}), "Unknown mesh axis 'pipe'"),
+        (
+            lambda: parse_mesh("data2"),
+            "Mesh entry 'data2' is not of the form axis=positive_integer",
+        ),
+        (lambda: parse_mesh("data=0"), "Mesh entry 'data=0' is not of the form"),
+        (lambda: Plan({"data": 0}), "Mesh axis data must have a positive integer size, got 0"),
+        (lambda: Plan(sp="zigzag"), "Unknown sp mode 'zigzag'; choose one of none, megatron"),
+    ],
+)
+def test_mesh_and_plan_errors(make: Any, match: str) -> None:
+    with pytest.raises(PlanError, match=match) as err:
+        make()
+    assert_one_sentence(err.value)
+
+
+def test_parse_mesh_fills_omitted_axes() -> None:
+    assert parse_mesh("model=4, data=2") == {"data": 2, "seq": 1, "model": 4}
+    assert parse_mesh("") == {"data": 1, "seq": 1, "model": 1}
+    assert Plan({"model": 2}).mesh == {"data": 1, "seq": 1, "model": 2}
+    assert dict(make_mesh({"seq": 2}).shape) == {"data": 1, "seq": 2, "model": 1}
+
+
+# The default verify matrix runs once, through the CLI: tests/test_cli.py.
