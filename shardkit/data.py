@@ -21,6 +21,7 @@ comes from, for a param ``w`` used on a batch split ``x[B_data, ...]``:
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,6 +32,7 @@ import optax
 from jaxtyping import Array
 
 from shardkit.collectives import all_gather, reduce_scatter
+from vit_ref.train import apply_optimizer
 
 Axes = tuple[str, ...]
 PyTree = Any
@@ -122,7 +124,8 @@ def zero1_update(
       opt_state_frag: this device's optimizer-state slice, split like ``dims_tree``.
       params: replicated params.
       dims_tree: the split dim of each leaf (or None).
-      apply: ``(optimizer, grads, state, params) -> (params, state)``; defaults to optax's.
+      apply: ``(optimizer, grads, state, params) -> (params, state)``; defaults to
+        ``vit_ref.train.apply_optimizer`` (one optax update).
     """
     n = jax.lax.axis_size(axis)
     idx = jax.lax.axis_index(axis)
@@ -144,20 +147,13 @@ def zero1_update(
     is_none = lambda x: x is None  # noqa: E731
     g_frag = jax.tree.map(local_grad, grads, dims_tree, is_leaf=is_none)
     w_frag = jax.tree.map(local_param, params, dims_tree, is_leaf=is_none)
-    apply = apply or _optax_apply
+    apply = apply or apply_optimizer
     w_frag, opt_state_frag = apply(optimizer, g_frag, opt_state_frag, w_frag)
-    return jax.tree.map(gather_invariant, w_frag, dims_tree, is_leaf=is_none), opt_state_frag
+    gather = functools.partial(gather_invariant, axis=axis)
+    return jax.tree.map(gather, w_frag, dims_tree, is_leaf=is_none), opt_state_frag
 
 
 def gather_invariant(x: Array, dim: int | None, axis: str = "data") -> Array:
     """All-gather typed invariant (every device provably holds the same result) for ZeRO-1."""
     # ZeRO-1: reassemble the updated params from every device's slice.
     return x if dim is None else jax.lax.all_gather(x, axis, axis=dim, tiled=True, to="invarying")
-
-
-def _optax_apply(
-    optimizer: optax.GradientTransformation, grads: PyTree, state: Any, params: PyTree
-) -> tuple[PyTree, Any]:
-    with jax.numpy_dtype_promotion("standard"):
-        updates, state = optimizer.update(grads, state, params)
-        return optax.apply_updates(params, updates), state

@@ -33,7 +33,7 @@ import vit_ref
 from shardkit import cost
 from shardkit.ledger import KINDS, Ledger, Tally, measure
 from shardkit.mesh import Plan, format_mesh, make_mesh
-from shardkit.vit import ShardedViT, check_plan, param_specs
+from shardkit.vit import ShardedViT, check_plan, opt_state_layout, param_specs
 from vit_ref.train import apply_optimizer
 
 Key = tuple[str, tuple[str, ...]]
@@ -221,7 +221,7 @@ def _args(
 ) -> tuple[Any, ...]:
     shapes = jax.eval_shape(lambda: vit_ref.init(jax.random.key(0), cfg))
     params = _abstract(shapes, jax.tree.map(sharding, specs))
-    opt_state = _abstract(*_opt_shapes(optimizer, shapes, specs, sharding))
+    opt_state = _abstract(*opt_state_layout(optimizer, shapes, specs, sharding))
     data = sharding(batch_spec)
     images = jax.ShapeDtypeStruct((batch, cfg.image, cfg.image, cfg.channels), jnp.float32)
     labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
@@ -232,26 +232,6 @@ def _abstract(shapes: Any, shardings: Any) -> Any:
     return jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
     )
-
-
-def _opt_shapes(
-    optimizer: optax.GradientTransformation,
-    param_shapes: Any,
-    specs: Any,
-    sharding: Callable[[P], NamedSharding],
-) -> tuple[Any, Any]:
-    """(shapes, shardings) of the optimizer state: param-like leaves split like their param."""
-    with jax.numpy_dtype_promotion("standard"):
-        shapes = jax.eval_shape(optimizer.init, param_shapes)
-    shardings = optax.tree_map_params(
-        optimizer,
-        lambda _, spec: sharding(spec),
-        shapes,
-        specs,
-        transform_non_params=lambda _: sharding(P()),
-        is_leaf=lambda x: isinstance(x, P),
-    )
-    return shapes, shardings
 
 
 def measure_step(
@@ -314,7 +294,7 @@ def auto_train_step(
     specs = param_specs(cfg, plan)
     param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     shapes = jax.eval_shape(lambda: vit_ref.init(jax.random.key(0), cfg))
-    _, opt_shardings = _opt_shapes(optimizer, shapes, specs, lambda s: NamedSharding(mesh, s))
+    _, opt_shardings = opt_state_layout(optimizer, shapes, specs, lambda s: NamedSharding(mesh, s))
 
     def step(params: Any, opt_state: Any, images: jax.Array, labels: jax.Array) -> Any:
         loss, grads = jax.value_and_grad(vit_ref.loss_fn)(params, images, labels, cfg)

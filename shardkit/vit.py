@@ -36,7 +36,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -95,7 +94,7 @@ def check_plan(cfg: vit_ref.ViTConfig, plan: Plan, batch: int | None = None) -> 
             f"sp={plan.sp!r} splits tokens over the seq axis, but the mesh has seq=1",
         ),
         (
-            plan.sp == "ulysses" and (cfg.heads // max(model, 1)) % seq,
+            plan.sp == "ulysses" and (cfg.heads // model) % seq,
             f"sp='ulysses' needs the heads per model shard ({cfg.heads}//{model}="
             f"{cfg.heads // model}) divisible by seq={seq}",
         ),
@@ -201,6 +200,30 @@ def grad_sync_axes(cfg: vit_ref.ViTConfig, plan: Plan, lay: Layout) -> Params:
         return tuple(out)
 
     return jax.tree_util.tree_map_with_path(axes, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def opt_state_layout(
+    optimizer: optax.GradientTransformation,
+    params: Any,
+    specs: Params,
+    sharding: Callable[[P], NamedSharding],
+) -> tuple[Any, Any]:
+    """(shapes, shardings) of ``optimizer``'s state: param-shaped leaves split like their param.
+
+    ``params`` may be arrays or shapes; leaves that are not param-shaped (step counts) are
+    replicated.
+    """
+    with jax.numpy_dtype_promotion("standard"):  # optax is not strict-promotion clean
+        shapes = jax.eval_shape(optimizer.init, params)
+    shardings = optax.tree_map_params(
+        optimizer,
+        lambda _, spec: sharding(spec),
+        shapes,
+        specs,
+        transform_non_params=lambda _: sharding(P()),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    return shapes, shardings
 
 
 # ----------------------------------------------------------------------------- per device
@@ -387,22 +410,18 @@ class ShardedViT:
         return loss, grads
 
     @functools.cached_property
+    def _loss_and_grads_map(self) -> Callable[[Params, Array, Array], tuple[Array, Params]]:
+        in_specs = (self.specs, self.batch_spec, self.batch_spec)
+        return self._shard_map(self._loss_and_grads_local, in_specs, (P(), self.specs))
+
+    @functools.cached_property
     def loss_and_grads(self) -> Callable[[Params, Array, Array], tuple[Array, Params]]:
         """Jitted ``(params, images, labels) -> (loss, grads)``; grads are sharded like params."""
-        in_specs = (self.specs, self.batch_spec, self.batch_spec)
-        return jax.jit(self._shard_map(self._loss_and_grads_local, in_specs, (P(), self.specs)))
+        return jax.jit(self._loss_and_grads_map)
 
     def init_opt_state(self, optimizer: optax.GradientTransformation, params: Params) -> Any:
         """The optimizer state, each param-shaped leaf sharded like its param."""
-        shapes = jax.eval_shape(optimizer.init, params)
-        shardings = optax.tree_map_params(
-            optimizer,
-            lambda _, spec: self.sharding(spec),
-            shapes,
-            self.specs,
-            transform_non_params=lambda _: self.sharding(P()),
-            is_leaf=lambda x: isinstance(x, P),
-        )
+        _, shardings = opt_state_layout(optimizer, params, self.specs, self.sharding)
         return jax.jit(optimizer.init, out_shardings=shardings)(params)
 
     def train_step(self, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
@@ -413,11 +432,7 @@ class ShardedViT:
         """
         key = optimizer  # kept alive by the cache, so never confused with a later one
         if key not in self._steps:
-            grad_fn = self._shard_map(
-                self._loss_and_grads_local,
-                (self.specs, self.batch_spec, self.batch_spec),
-                (P(), self.specs),
-            )
+            grad_fn = self._loss_and_grads_map
 
             def step(params: Params, opt_state: Any, images: Array, labels: Array):
                 loss, grads = grad_fn(params, images, labels)
@@ -426,6 +441,3 @@ class ShardedViT:
 
             self._steps[key] = jax.jit(step, donate_argnums=(0, 1))
         return self._steps[key]
-
-
-del np
