@@ -1,18 +1,37 @@
 """shardkit: hand-written tensor, sequence and data parallelism in JAX ``shard_map``.
 
-Modules (each usable on its own; primitives assume no particular model):
+Layers (each imports only the ones below it; primitives assume no particular model):
   mesh         CPU devices, ``data × seq × model`` meshes, the ``Plan``
-  collectives  wrappers, ring / bidirectional collectives from ppermute, Megatron f / g
-  tensor       column / row-parallel dense, head-split attention, the TP MLP
-  sequence     ring attention, Ulysses, USP, token padding
-  data         gradient sync, FSDP gather, ZeRO-1
-  vit          ``ShardedViT``: vit_ref's model on any plan, same params pytree
-  ledger       collectives measured from compiled HLO
+  parallel/    collectives, tensor, sequence, data: primitives for shard_map bodies
+  models/      vit: ``ShardedViT``, vit_ref's model on any plan, same params pytree
+  comm/        ledger (collectives measured from compiled HLO), cost, report, plot
+  run/         verify (sharded == reference), train
   testing      tree comparison and hypothesis strategies for your own models
-  verify       sharded == reference, case by case
+  cli          the ``shardkit`` command
+
+The flat module paths of earlier releases (``shardkit.collectives``, ``shardkit.vit``,
+``shardkit.ledger``, ...) stay importable: ``_MOVED`` registers each as an alias of the module
+itself (the same object, so ``from shardkit.vit import X`` and monkeypatching both work).
 """
 
-from shardkit.collectives import (
+import sys
+
+from shardkit.comm import cost, ledger, plot, report
+from shardkit.mesh import (
+    AXES,
+    SP_MODES,
+    Plan,
+    PlanError,
+    format_mesh,
+    logical_specs,
+    make_mesh,
+    parse_mesh,
+    set_cpu_devices,
+)
+from shardkit.models import vit
+from shardkit.models.vit import ShardedViT, check_plan
+from shardkit.parallel import collectives, data, sequence, tensor
+from shardkit.parallel.collectives import (
     all_gather,
     all_reduce,
     all_to_all,
@@ -30,18 +49,22 @@ from shardkit.collectives import (
     ring_reduce_scatter,
     ring_shift,
 )
-from shardkit.mesh import (
-    AXES,
-    SP_MODES,
-    Plan,
-    PlanError,
-    format_mesh,
-    logical_specs,
-    make_mesh,
-    parse_mesh,
-    set_cpu_devices,
-)
-from shardkit.vit import ShardedViT, check_plan
+from shardkit.run import verify
+
+_MOVED = {
+    "collectives": collectives,
+    "tensor": tensor,
+    "sequence": sequence,
+    "data": data,
+    "vit": vit,
+    "ledger": ledger,
+    "cost": cost,
+    "report": report,
+    "plot": plot,
+    "verify": verify,
+}
+for _name, _module in _MOVED.items():
+    sys.modules[f"{__name__}.{_name}"] = _module
 
 __all__ = [
     "AXES",

@@ -100,7 +100,7 @@ def _setup_devices(n: int) -> None:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from shardkit import verify
+    from shardkit.run import verify
 
     _setup_devices(args.devices)
     cfg = model_config(args)
@@ -129,7 +129,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from shardkit import report
+    from shardkit.comm import report
 
     _setup_devices(args.devices)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -137,7 +137,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     cfg = model_config(args)
     result = report.inspect(cfg, plan_from_args(args), args.batch, hlo_path=args.hlo)
     if args.plot:
-        from shardkit.plot import plot_report
+        from shardkit.comm.plot import plot_report
 
         plot_report(result, args.plot)
     print(json.dumps(result.to_json()) if args.json else result.format())

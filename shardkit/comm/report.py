@@ -30,10 +30,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import vit_ref
-from shardkit import cost
-from shardkit.ledger import KINDS, Ledger, Tally, measure
+from shardkit.comm import cost
+from shardkit.comm.ledger import KINDS, Ledger, Tally, measure
 from shardkit.mesh import Plan, format_mesh, make_mesh
-from shardkit.vit import ShardedViT, check_plan, opt_state_layout, param_specs
+from shardkit.models.vit import ShardedViT, check_plan, opt_state_layout, param_specs
 from vit_ref.train import apply_optimizer
 
 Key = tuple[str, tuple[str, ...]]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -31,8 +31,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array
 
-from shardkit.collectives import all_gather, reduce_scatter
-from vit_ref.train import apply_optimizer
+from shardkit.parallel.collectives import all_gather, reduce_scatter
 
 Axes = tuple[str, ...]
 PyTree = Any
@@ -110,7 +109,6 @@ def zero1_update(
     params: PyTree,
     dims_tree: PyTree,
     axis: str = "data",
-    apply: Callable[..., tuple[PyTree, Any]] | None = None,
 ) -> tuple[PyTree, Any]:
     """ZeRO-1 step inside ``shard_map``: optimizer state split over ``axis``, params replicated.
 
@@ -124,8 +122,6 @@ def zero1_update(
       opt_state_frag: this device's optimizer-state slice, split like ``dims_tree``.
       params: replicated params.
       dims_tree: the split dim of each leaf (or None).
-      apply: ``(optimizer, grads, state, params) -> (params, state)``; defaults to
-        ``vit_ref.train.apply_optimizer`` (one optax update).
     """
     n = jax.lax.axis_size(axis)
     idx = jax.lax.axis_index(axis)
@@ -147,13 +143,23 @@ def zero1_update(
     is_none = lambda x: x is None  # noqa: E731
     g_frag = jax.tree.map(local_grad, grads, dims_tree, is_leaf=is_none)
     w_frag = jax.tree.map(local_param, params, dims_tree, is_leaf=is_none)
-    apply = apply or apply_optimizer
-    w_frag, opt_state_frag = apply(optimizer, g_frag, opt_state_frag, w_frag)
+    w_frag, opt_state_frag = optax_update(optimizer, g_frag, opt_state_frag, w_frag)
     gather = functools.partial(gather_invariant, axis=axis)
     return jax.tree.map(gather, w_frag, dims_tree, is_leaf=is_none), opt_state_frag
+
+
+def optax_update(
+    optimizer: optax.GradientTransformation, grads: PyTree, opt_state: Any, params: PyTree
+) -> tuple[PyTree, Any]:
+    """One optax update, under "standard" dtype promotion (optax mixes Python floats with int32
+    step counts, which strict promotion rejects)."""
+    with jax.numpy_dtype_promotion("standard"):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
 
 
 def gather_invariant(x: Array, dim: int | None, axis: str = "data") -> Array:
     """All-gather typed invariant (every device provably holds the same result) for ZeRO-1."""
     # ZeRO-1: reassemble the updated params from every device's slice.
     return x if dim is None else jax.lax.all_gather(x, axis, axis=dim, tiled=True, to="invarying")
+

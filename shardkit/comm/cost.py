@@ -58,10 +58,10 @@ from collections.abc import Iterable
 import jax
 
 import vit_ref
-from shardkit.ledger import Tally
+from shardkit.comm.ledger import Tally
 from shardkit.mesh import AXES, Plan
-from shardkit.sequence import SEQ_RING, SEQ_ULYSSES, USP_AXES, usp_factor
-from shardkit.vit import check_plan
+from shardkit.models.vit import check_plan
+from shardkit.parallel.sequence import SEQ_RING, SEQ_ULYSSES, USP_AXES, usp_factor
 
 Axes = tuple[str, ...]
 Key = tuple[str, Axes]

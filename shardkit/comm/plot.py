@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from shardkit.cost import geometry
-from shardkit.ledger import Collective
-from shardkit.report import Report
+from shardkit.comm.cost import geometry
+from shardkit.comm.ledger import Collective
+from shardkit.comm.report import Report
 
 MEASURED, EXPECTED = "#3b6ea8", "#c9a227"
 PANELS = 6  # pattern panels at most (one per (kind, axes), largest bytes first)

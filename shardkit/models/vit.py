@@ -42,10 +42,10 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
 import vit_ref
-from shardkit import data as dp
-from shardkit import sequence as sp
 from shardkit.mesh import Plan, PlanError, format_mesh, logical_specs, make_mesh
-from shardkit.tensor import attention_tp, mlp_tp
+from shardkit.parallel import data as dp
+from shardkit.parallel import sequence as sp
+from shardkit.parallel.tensor import attention_tp, mlp_tp
 from vit_ref import model as ref
 from vit_ref.train import apply_optimizer
 

@@ -28,7 +28,7 @@ from typing import Any
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from shardkit.collectives import all_gather, megatron_f, megatron_g, reduce_scatter
+from shardkit.parallel.collectives import all_gather, megatron_f, megatron_g, reduce_scatter
 
 Params = dict[str, Any]
 AttentionCore = Callable[[Array, Array, Array], Array]

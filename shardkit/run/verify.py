@@ -27,10 +27,10 @@ import jax.numpy as jnp
 import optax
 
 import vit_ref
+from shardkit.comm.report import model_report
 from shardkit.mesh import Plan, format_mesh
-from shardkit.report import model_report
+from shardkit.models.vit import ShardedViT, check_plan
 from shardkit.testing import max_error
-from shardkit.vit import ShardedViT, check_plan
 
 __all__ = [
     "Case",

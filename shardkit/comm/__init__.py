@@ -1,0 +1,7 @@
+"""Communication, measured and expected.
+
+  ledger   collectives parsed from compiled HLO (loop-aware)
+  cost     the analytic cost model of each strategy
+  report   measured vs expected, as text / JSON
+  plot     the same as pictures (needs matplotlib)
+"""

@@ -1,0 +1,7 @@
+"""Model-agnostic primitives for ``shard_map`` bodies: they know no model.
+
+  collectives  documented wrappers; ring / bidirectional versions built only from ppermute
+  tensor       column / row-parallel dense, head-split attention, the TP MLP, Megatron f / g
+  sequence     ring attention, Ulysses, USP; token padding and masks
+  data         gradient sync, gradient norms, FSDP gather, ZeRO-1
+"""

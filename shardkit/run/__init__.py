@@ -1,0 +1,1 @@
+"""What the ``shardkit`` commands do: ``verify`` (sharded == reference)."""
