@@ -1,6 +1,9 @@
-"""The ``shardkit`` command: ``verify`` (sharded == reference) and ``inspect`` (the ledger).
+"""The ``shardkit`` command: ``verify`` (sharded == reference), ``inspect`` (the ledger) and
+``train`` (a real training run). Argument parsing and error reporting only; the work is in
+``shardkit.run`` and ``shardkit.comm``.
 
-Bad arguments print one line on stderr and exit 2; a failed verification exits 1.
+Bad arguments print one line on stderr and exit 2; a failed verification or a diverged training
+run exits 1.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ DEFAULT_MODEL = dict(
     image=32, patch=4, channels=3, classes=10, dim=64, depth=2, heads=8, mlp_dim=128, pool="tok"
 )
 MODEL_FLAGS = ("image", "patch", "channels", "classes", "dim", "depth", "heads", "mlp_dim")
+# train: image, channels and classes follow the data unless given; 8×8 digits in 2×2 patches
+# are 16 patches + a class token = 17 tokens.
+TRAIN_MODEL = dict(patch=2, dim=64, depth=2, heads=8, mlp_dim=128, pool="tok")
 
 
 class UsageError(Exception):
@@ -27,15 +33,15 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _add_model_opts(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model (default: a 2-layer ViT, dim 64, 8 heads, 32px, patch 4)")
+def _add_model_opts(p: argparse.ArgumentParser, batch: int, about: str) -> None:
+    g = p.add_argument_group(f"model (default: {about})")
     g.add_argument("--variant", help="mu, Ti/16, S/16, B/16 or L/16 (other flags override it)")
     for name in MODEL_FLAGS:
         g.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
     g.add_argument("--pool", choices=("tok", "gap"))
     g.add_argument("--posemb", choices=("learn", "sincos2d"))
     g.add_argument("--dtype", choices=("float32", "bfloat16"))
-    g.add_argument("--batch", type=int, default=16, help="global batch (default 16)")
+    g.add_argument("--batch", type=int, default=batch, help=f"global batch (default {batch})")
 
 
 def _add_plan_opts(p: argparse.ArgumentParser) -> None:
@@ -51,27 +57,55 @@ def _add_plan_opts(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="shardkit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    small = "a 2-layer ViT, dim 64, 8 heads, 32px, patch 4"
     verify = sub.add_parser("verify", help="check sharded == vit_ref (logits, grads, one step)")
-    _add_model_opts(verify)
+    _add_model_opts(verify, 16, small)
     _add_plan_opts(verify)
     verify.add_argument("--json", action="store_true", help="print one JSON object")
     inspect = sub.add_parser("inspect", help="collectives of the compiled train step vs the model")
-    _add_model_opts(inspect)
+    _add_model_opts(inspect, 16, small)
     _add_plan_opts(inspect)
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
     inspect.add_argument("--hlo", metavar="FILE", help="write the compiled HLO text here")
     inspect.add_argument("--plot", metavar="FILE.png", help="draw the collective pattern here")
+    _add_train_parser(sub)
     return parser
 
 
-def model_config(args: argparse.Namespace) -> Any:
+def _add_train_parser(sub: Any) -> None:
+    from shardkit.run.train import TrainOptions
+
+    d = TrainOptions()
+    train = sub.add_parser("train", help="train the sharded ViT (default: digits, data=8)")
+    _add_model_opts(train, d.batch, "2 layers, dim 64, 8 heads, patch 2; size from the data")
+    _add_plan_opts(train)
+    g = train.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps ({d.steps})")
+    g.add_argument("--out", metavar="DIR", help="run directory (default runs/train-<time>)")
+    g.add_argument("--data", default="digits", help="digits (default), synthetic or FILE.npz")
+    g.add_argument("--seed", type=int, default=d.seed, help="init and data order (0)")
+    g.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate ({d.lr})")
+    g.add_argument("--warmup", type=int, help="linear warmup steps (10%% of --steps)")
+    g.add_argument(
+        "--clip", type=float, default=d.clip, help=f"gradient-norm bound ({d.clip}; 0: off)"
+    )
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    g.add_argument("--eval-every", type=int, default=d.eval_every, metavar="K")
+    g.add_argument("--cache", metavar="DIR", help="compilation cache (default: user cache; none)")
+    g.add_argument("--force", action="store_true", help="overwrite an existing run directory")
+
+
+def model_config(
+    args: argparse.Namespace, defaults: dict[str, Any] = DEFAULT_MODEL, head_zeroinit: bool = False
+) -> Any:
+    """The ViT from the model flags over ``defaults`` (verification draws a random head)."""
     import vit_ref
 
     overrides = {k: getattr(args, k) for k in (*MODEL_FLAGS, "pool", "posemb", "dtype")}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if args.variant:
-        return vit_ref.variant(args.variant, head_zeroinit=False, **overrides)
-    return vit_ref.ViTConfig(**{**DEFAULT_MODEL, "head_zeroinit": False, **overrides})
+        return vit_ref.variant(args.variant, head_zeroinit=head_zeroinit, **overrides)
+    return vit_ref.ViTConfig(**{**defaults, "head_zeroinit": head_zeroinit, **overrides})
 
 
 def _plan_given(args: argparse.Namespace) -> bool:
@@ -144,11 +178,69 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def train_config(args: argparse.Namespace, ds: Any) -> Any:
+    """The train model: image size, channels and classes from the data unless given (checked)."""
+    from shardkit.run import datasets
+
+    data = {"image": ds.image_size, "channels": ds.channels, "classes": ds.classes}
+    for name in ("image", "channels"):
+        given = getattr(args, name)
+        if given is not None and given != data[name]:
+            raise UsageError(
+                f"--{name} {given} does not match the data ({args.data}: {name} {data[name]})."
+            )
+    if args.variant:
+        data = {k: v for k, v in data.items() if getattr(args, k) is None}
+        args = argparse.Namespace(**{**vars(args), **data})
+        cfg = model_config(args, head_zeroinit=True)
+    else:
+        cfg = model_config(args, {**TRAIN_MODEL, **data}, head_zeroinit=True)
+    datasets.check_labels(ds, cfg.classes, f"--data {args.data}")
+    return cfg
+
+
+def run_train(args: argparse.Namespace) -> int:
+    import pathlib
+
+    from shardkit.run import datasets, train
+
+    opts = train.TrainOptions(
+        steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup,
+        clip=args.clip or float("inf"), weight_decay=args.weight_decay,
+        eval_every=args.eval_every, seed=args.seed,
+    )  # fmt: skip
+    _setup_devices(args.devices)
+    cache = None if args.cache == "none" else args.cache or train.default_cache_dir()
+    train.enable_cache(cache)  # before anything compiles
+    ds = datasets.load(args.data)
+    cfg = train_config(args, ds)
+    plan = plan_from_args(args)
+    from shardkit.models.vit import check_plan
+
+    check_plan(cfg, plan, args.batch)
+    datasets.Loader(ds.train_images, ds.train_labels, args.batch, args.seed)  # batch fits data
+    out = pathlib.Path(args.out) if args.out else train.default_out_dir()
+    train.prepare_out_dir(out, args.force)
+    extra = {"command": ["shardkit", *sys.argv[1:]], "cache": cache}
+    try:
+        last = train.train(cfg, plan, ds, opts, out, extra_config=extra)
+    except train.TrainingDivergedError as err:
+        print(f"shardkit: {err}", file=sys.stderr)
+        return 1
+    print(
+        f"step {last['step']}: loss {last['loss']:.4f}, test_loss {last['test_loss']:.4f}, "
+        f"test_accuracy {last['test_accuracy']:.4f}; wrote {out}/"
+        f"{{metrics.jsonl,config.json,curves.png}}"
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    commands = {"verify": run_verify, "inspect": run_inspect, "train": run_train}
     try:
         args = build_parser().parse_args(argv)
-        return {"verify": run_verify, "inspect": run_inspect}[args.command](args)
-    except (UsageError, ValueError) as err:  # PlanError and config errors are ValueErrors
+        return commands[args.command](args)
+    except (UsageError, ValueError) as err:  # PlanError, DataError, config errors: ValueErrors
         print(f"shardkit: error: {err}", file=sys.stderr)
         return 2
 

@@ -36,10 +36,17 @@ def loss_fn(
 
 
 def make_optimizer(
-    learning_rate: float = 1e-3, weight_decay: float = 1e-4
+    learning_rate: float | optax.Schedule = 1e-3,
+    weight_decay: float = 1e-4,
+    clip_norm: float | None = None,
 ) -> optax.GradientTransformation:
-    """AdamW, the optimizer shared by the reference and every sharded train step."""
-    return optax.adamw(learning_rate, weight_decay=weight_decay)
+    """AdamW, the optimizer shared by the reference and every sharded train step.
+
+    ``learning_rate`` may be a schedule (``optax.warmup_cosine_decay_schedule``); ``clip_norm``
+    first clips the gradients to that global norm (``optax.clip_by_global_norm``).
+    """
+    adamw = optax.adamw(learning_rate, weight_decay=weight_decay)
+    return adamw if clip_norm is None else optax.chain(optax.clip_by_global_norm(clip_norm), adamw)
 
 
 def apply_optimizer(
@@ -55,13 +62,15 @@ def apply_optimizer(
 def make_train_step(cfg: ViTConfig, optimizer: optax.GradientTransformation) -> TrainStep:
     """A jitted step ``(params, opt_state, images, labels) -> (params, opt_state, metrics)``.
 
-    params and opt_state are donated: pass fresh copies if you still need the old ones.
+    ``metrics``: ``loss`` and ``grad_norm`` (the global L2 norm of the gradients, before any
+    clipping). params and opt_state are donated: pass fresh copies if you still need the old ones.
     """
 
     def step(params: Params, opt_state: Any, images: Array, labels: Array):
         loss, grads = jax.value_and_grad(loss_fn)(params, images, labels, cfg)
+        grad_norm = optax.tree.norm(grads)
         params, opt_state = apply_optimizer(optimizer, grads, opt_state, params)
-        return params, opt_state, {"loss": loss}
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
 
     return jax.jit(step, donate_argnums=(0, 1))
 

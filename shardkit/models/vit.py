@@ -350,7 +350,7 @@ class ShardedViT:
         self.sync_axes = grad_sync_axes(cfg, plan, self.layout)
         # Size-1 axes split nothing and appear in no spec (so no value is typed varying on them).
         self.batch_spec = P("data") if plan.size("data") > 1 else P()
-        self._steps: dict[optax.GradientTransformation, Callable[..., Any]] = {}
+        self._steps: dict[tuple[Any, float | None], Callable[..., Any]] = {}
 
     def __repr__(self) -> str:
         return (
@@ -424,20 +424,47 @@ class ShardedViT:
         _, shardings = opt_state_layout(optimizer, params, self.specs, self.sharding)
         return jax.jit(optimizer.init, out_shardings=shardings)(params)
 
-    def train_step(self, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
-        """Jitted ``(params, opt_state, images, labels) -> (params, opt_state, {"loss"})``.
+    @functools.cached_property
+    def split_axes(self) -> Params:
+        """Per param leaf, the mesh axes its spec splits it over (for ``data.global_norm``)."""
+        return jax.tree.map(
+            lambda spec: tuple(a for a in spec if a), self.specs, is_leaf=lambda x: isinstance(x, P)
+        )
 
-        params and opt_state are donated. The update is elementwise on arrays sharded like
-        their params, so it adds no communication.
+    def _clipped_grads_local(self, clip_norm: float, params: Params, images: Array, labels: Array):
+        loss, grads = self._loss_and_grads_local(params, images, labels)
+        norm = dp.global_norm(grads, self.split_axes)
+        return loss, dp.clip_by_norm(grads, norm, clip_norm), norm
+
+    def _grads_map(self, clip_norm: float | None) -> Callable[..., Any]:
+        """shard_map of (params, images, labels) -> (loss, grads[, grad_norm])."""
+        if clip_norm is None:
+            return self._loss_and_grads_map
+        in_specs = (self.specs, self.batch_spec, self.batch_spec)
+        body = functools.partial(self._clipped_grads_local, clip_norm)
+        return self._shard_map(body, in_specs, (P(), self.specs, P()))
+
+    def train_step(
+        self, optimizer: optax.GradientTransformation, clip_norm: float | None = None
+    ) -> Callable[..., Any]:
+        """Jitted ``(params, opt_state, images, labels) -> (params, opt_state, metrics)``.
+
+        params and opt_state are donated. ``metrics`` holds ``loss``; with ``clip_norm`` also
+        ``grad_norm``, the global gradient norm computed inside the shard_map from the sharded
+        gradients (``data.global_norm``: one scalar all-reduce per set of split axes), and the
+        gradients are clipped to it as ``optax.clip_by_global_norm(clip_norm)`` would
+        (``float("inf")`` reports the norm and never clips). The update is elementwise on
+        arrays sharded like their params, so it adds no communication.
         """
-        key = optimizer  # kept alive by the cache, so never confused with a later one
+        key = (optimizer, clip_norm)  # the optimizer is kept alive by the cache: never confused
         if key not in self._steps:
-            grad_fn = self._loss_and_grads_map
+            grad_fn = self._grads_map(clip_norm)
 
             def step(params: Params, opt_state: Any, images: Array, labels: Array):
-                loss, grads = grad_fn(params, images, labels)
+                loss, grads, *norm = grad_fn(params, images, labels)
                 params, opt_state = apply_optimizer(optimizer, grads, opt_state, params)
-                return params, opt_state, {"loss": loss}
+                metrics = {"loss": loss} | ({"grad_norm": norm[0]} if norm else {})
+                return params, opt_state, metrics
 
             self._steps[key] = jax.jit(step, donate_argnums=(0, 1))
         return self._steps[key]

@@ -163,3 +163,34 @@ def gather_invariant(x: Array, dim: int | None, axis: str = "data") -> Array:
     # ZeRO-1: reassemble the updated params from every device's slice.
     return x if dim is None else jax.lax.all_gather(x, axis, axis=dim, tiled=True, to="invarying")
 
+
+def global_norm(grads: PyTree, split_axes_tree: PyTree) -> Array:
+    """The L2 norm of a whole gradient pytree whose leaves are shards: ``sqrt(Σ ‖g‖²)``.
+
+    ``split_axes_tree`` matches ``grads`` with the mesh axes each leaf is SPLIT over (a tuple;
+    empty for leaves every device holds whole). Leaves must already be synced (no pending
+    ``{U}`` partial sums): each device's sum of squares of a split leaf is then a partial sum
+    ``‖g‖²{U_axes}`` over exactly its split axes, and whole leaves count once, not once per
+    device. One scalar all-reduce per distinct set of split axes; whole leaves need none.
+    Result: float32, invariant over every axis (every device holds the same norm).
+    """
+    leaves = jax.tree.leaves(grads)
+    axes_leaves = jax.tree.leaves(split_axes_tree, is_leaf=lambda x: isinstance(x, tuple))
+    groups: dict[Axes, list[Array]] = defaultdict(list)
+    for leaf, axes in zip(leaves, axes_leaves, strict=True):
+        groups[tuple(axes)].append(jnp.sum(jnp.square(leaf.astype(jnp.float32))))
+    total = jnp.zeros((), jnp.float32)
+    for axes, sums in groups.items():
+        part = functools.reduce(jnp.add, sums)
+        # ‖g‖²{U_axes} -> ‖g‖²: add the squares of the shards the other devices hold.
+        total = total + (jax.lax.psum(part, axes) if axes else part)
+    return jnp.sqrt(total)
+
+
+def clip_by_norm(grads: PyTree, norm: Array, max_norm: float) -> PyTree:
+    """``grads · max_norm / norm`` where ``norm ≥ max_norm``: optax.clip_by_global_norm's rule,
+    with the norm given (``global_norm`` of the shards). Elementwise: no communication."""
+    keep = norm < max_norm
+    return jax.tree.map(
+        lambda g: jax.lax.select(keep, g, (g / norm.astype(g.dtype)) * max_norm), grads
+    )
