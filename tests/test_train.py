@@ -14,6 +14,8 @@ import pytest
 
 import vit_ref
 from shardkit import cli
+from shardkit.comm import report
+from shardkit.comm.ledger import Tally
 from shardkit.mesh import Plan
 from shardkit.models.vit import ShardedViT
 from shardkit.run import datasets, train
@@ -222,3 +224,28 @@ def test_compilation_cache_is_written(tmp_path) -> None:
     assert result.returncode == 0, result.stderr
     assert any(cache.iterdir()), "the persistent compilation cache stored nothing"
     assert json.loads((out / "config.json").read_text())["cache"] == str(cache)
+
+
+CONTRACT_PLANS = [
+    Plan({"data": 8}),
+    Plan({"data": 8}, fsdp=True),
+    Plan({"data": 4, "model": 2}),
+    Plan({"data": 2, "seq": 2, "model": 2}, sp="ring", fsdp=True),
+    Plan({"data": 2, "model": 4}, sp="megatron"),
+    Plan({"data": 2, "seq": 4}, sp="usp", ulysses=2),
+]
+
+
+@pytest.mark.parametrize("plan", CONTRACT_PLANS, ids=lambda p: f"{p.mesh}-{p.sp}-{p.fsdp}")
+def test_clipped_train_step_meets_its_contract(plan) -> None:
+    """The step ``shardkit train`` runs: the unclipped contract plus exactly one scalar
+    all-reduce over the whole mesh for the global norm (nothing else sneaks in)."""
+    model = ShardedViT(CFG, plan)
+    clipped = report.model_report(model, 16, clip_norm=1.0)
+    assert clipped.contract_ok, clipped.mismatches()
+    base = report.model_report(model, 16).ledger.summary()
+    extra = {
+        k: v.count - base.get(k, Tally(0, 0.0)).count for k, v in clipped.ledger.summary().items()
+    }
+    axes = tuple(a for a, n in model.mesh.shape.items() if n > 1)
+    assert {k: n for k, n in extra.items() if n} == {("all-reduce", axes): 1}

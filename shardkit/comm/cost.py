@@ -32,6 +32,7 @@ Per strategy (each ``_*_terms`` function states its own formulas and why each is
   ring      2(n−1) K/V hops forward; 2(n−1) K/V + 2n dK/dV hops backward, per block.
   Ulysses   4 all-to-alls (q, k, v, out) forward and 4 backward per block.
   USP       Ulysses over seq_ulysses (u) around a ring over seq_ring (r = n_seq / u).
+Clipping (``clip=True``): one scalar all-reduce over the whole mesh for the global norm.
 Compositions add: every term depends only on the axes it uses.
 Padding (T' > T) adds no collective: ring, Ulysses and USP mask the padded keys by position
 (``num_valid``: each device computes any block's mask from the block's source position), so no
@@ -292,7 +293,7 @@ def geometry(cfg: vit_ref.ViTConfig, plan: Plan, batch: int, platform: str = "cp
 
 
 def expected(
-    cfg: vit_ref.ViTConfig, plan: Plan, batch: int, *, platform: str = "cpu"
+    cfg: vit_ref.ViTConfig, plan: Plan, batch: int, *, platform: str = "cpu", clip: bool = False
 ) -> Expectation:
     """The collectives one ``ShardedViT.train_step`` must run for (cfg, plan, global batch).
 
@@ -300,6 +301,8 @@ def expected(
       cfg: the model.
       plan: mesh shape and strategies.
       batch: the global batch size.
+      clip: the step clips to a global gradient norm (``train_step(clip_norm=...)``, as
+        ``shardkit train`` runs it).
       platform: "cpu" (tested; bf16 collectives are widened to float32 there) or another
         backend name (activation collectives then move compute-dtype bytes; op counts are the
         CPU pipeline's and may differ where another backend combines collectives differently).
@@ -317,6 +320,7 @@ def expected(
         *_fsdp_terms(g),
         *_gradient_terms(g),
         *_loss_terms(g),
+        *(_grad_norm_terms(g) if clip else []),
     ]
     return Expectation(cfg, plan, batch, tuple(terms))
 
@@ -472,6 +476,17 @@ def _loss_terms(g: Geometry) -> list[Term]:
         STEP_END,
     )
     return [dataclasses.replace(t, fused=STEP_END) for t in terms]
+
+
+def _grad_norm_terms(g: Geometry) -> list[Term]:
+    """Clipping's global gradient norm (``data.global_norm``): ONE all-reduce of one float32
+    over every mesh axis, 2(n−1)/n·w. Each device adds the squares of its shards (each divided
+    by the copies of it in the mesh), the psum the rest; fewer than one scalar per device
+    cannot reach every device. It reads every synced gradient, so it follows the step-end
+    all-reduces and is never combined with them."""
+    axes = [a for a in g.mesh_axes if g.sizes[a] > 1]
+    each = all_reduce_bytes(WORD, g.n(axes))
+    return _term(g, "all-reduce", axes, 1, each, "global gradient norm (clipping)", STEP_END)
 
 
 # ----------------------------------------------------------------------------- parameters

@@ -235,20 +235,28 @@ def _abstract(shapes: Any, shardings: Any) -> Any:
 
 
 def measure_step(
-    model: ShardedViT, batch: int, optimizer: optax.GradientTransformation | None = None
+    model: ShardedViT,
+    batch: int,
+    optimizer: optax.GradientTransformation | None = None,
+    clip_norm: float | None = None,
 ) -> Ledger:
-    """The ledger of ``model.train_step(optimizer)`` compiled for a global ``batch``."""
+    """The ledger of ``model.train_step(optimizer, clip_norm)`` compiled for a global ``batch``."""
     optimizer = optimizer or default_optimizer()
     args = step_args(model, batch, optimizer)
-    return measure(model.train_step(optimizer), *args, mesh=model.mesh)
+    return measure(model.train_step(optimizer, clip_norm), *args, mesh=model.mesh)
 
 
 def model_report(
-    model: ShardedViT, batch: int, optimizer: optax.GradientTransformation | None = None
+    model: ShardedViT,
+    batch: int,
+    optimizer: optax.GradientTransformation | None = None,
+    clip_norm: float | None = None,
 ) -> Report:
-    """The contract report of an existing ``ShardedViT`` (e.g. the one ``verify`` just ran)."""
-    ledger = measure_step(model, batch, optimizer)
-    return Report(ledger, cost.expected(model.cfg, model.plan, batch))
+    """The contract report of an existing ``ShardedViT`` (e.g. the one ``verify`` just ran, or
+    the clipped step ``shardkit train`` runs)."""
+    ledger = measure_step(model, batch, optimizer, clip_norm)
+    clip = clip_norm is not None
+    return Report(ledger, cost.expected(model.cfg, model.plan, batch, clip=clip))
 
 
 def inspect(

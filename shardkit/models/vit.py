@@ -431,9 +431,14 @@ class ShardedViT:
             lambda spec: tuple(a for a in spec if a), self.specs, is_leaf=lambda x: isinstance(x, P)
         )
 
+    @property
+    def reduce_axes(self) -> tuple[str, ...]:
+        """The mesh axes of size > 1: the group a whole-model reduction (the norm) spans."""
+        return tuple(a for a, n in self.mesh.shape.items() if n > 1)
+
     def _clipped_grads_local(self, clip_norm: float, params: Params, images: Array, labels: Array):
         loss, grads = self._loss_and_grads_local(params, images, labels)
-        norm = dp.global_norm(grads, self.split_axes)
+        norm = dp.global_norm(grads, self.split_axes, self.reduce_axes)
         return loss, dp.clip_by_norm(grads, norm, clip_norm), norm
 
     def _grads_map(self, clip_norm: float | None) -> Callable[..., Any]:
