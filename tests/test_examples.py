@@ -82,3 +82,20 @@ def test_train_vit_sharded_bad_plan_exits_2() -> None:
     assert result.returncode == 2
     assert result.stderr.strip() == "error: heads=4 is not divisible by model=8."
     assert "Traceback" not in result.stderr
+
+
+def test_collectives_tour_rings_equal_builtins() -> None:
+    out = ok_output(run_example("collectives_tour.py", "--devices", "3", "--width", "6"))
+    assert out.count("after:") == 11 and out.count(": True") == 7, out
+    for sent, formula in re.findall(rf"sent\s+({NUMBER}) B/device \(formula\s+({NUMBER})\)", out):
+        assert float(sent) == float(formula), out
+    assert "d0:[0, 1, 6, 7, 12, 13]" in out  # all_to_all moved block k of each device to k
+    assert out.rstrip().endswith("bytes == formulas: True")
+
+
+def test_train_vit_learns_digits() -> None:
+    out = ok_output(run_example("train_vit.py", "--steps", "100", "--mesh", "data=4,model=2",
+                                "--sp", "none"))  # fmt: skip
+    rows = re.findall(rf"loss ({NUMBER})\s+grad_norm ({NUMBER})\s+test_accuracy ({NUMBER})", out)
+    assert len(rows) == 2, out
+    assert float(rows[-1][0]) < float(rows[0][0]) and float(rows[-1][2]) >= 0.85, out
