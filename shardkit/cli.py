@@ -199,9 +199,21 @@ def train_config(args: argparse.Namespace, ds: Any) -> Any:
     return cfg
 
 
-def run_train(args: argparse.Namespace) -> int:
+def _require_train_extras(data: str) -> None:
+    needed = {"matplotlib": "DIR/curves.png"}
+    if data == "digits":
+        needed["sklearn"] = "the digits"
+    for module, why in needed.items():
+        if importlib.util.find_spec(module) is None:
+            raise UsageError(f"train needs {module} for {why}: pip install 'shardkit[train]'.")
+
+
+def _train_setup(args: argparse.Namespace) -> tuple[Any, ...]:
+    """(opts, cfg, plan, dataset, out): every check a user can fail, before anything compiles
+    or is written."""
     import pathlib
 
+    from shardkit.models.vit import check_plan
     from shardkit.run import datasets, train
 
     opts = train.TrainOptions(
@@ -209,19 +221,25 @@ def run_train(args: argparse.Namespace) -> int:
         clip=args.clip or float("inf"), weight_decay=args.weight_decay,
         eval_every=args.eval_every, seed=args.seed,
     )  # fmt: skip
+    _require_train_extras(args.data)
     _setup_devices(args.devices)
-    cache = None if args.cache == "none" else args.cache or train.default_cache_dir()
-    train.enable_cache(cache)  # before anything compiles
     ds = datasets.load(args.data)
     cfg = train_config(args, ds)
     plan = plan_from_args(args)
-    from shardkit.models.vit import check_plan
-
     check_plan(cfg, plan, args.batch)
     datasets.Loader(ds.train_images, ds.train_labels, args.batch, args.seed)  # batch fits data
     out = pathlib.Path(args.out) if args.out else train.default_out_dir()
+    return opts, cfg, plan, ds, out
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from shardkit.run import train
+
+    cache = None if args.cache == "none" else args.cache or train.default_cache_dir()
+    train.enable_cache(cache)  # before anything compiles
+    opts, cfg, plan, ds, out = _train_setup(args)
     train.prepare_out_dir(out, args.force)
-    extra = {"command": ["shardkit", *sys.argv[1:]], "cache": cache}
+    extra = {"command": ["shardkit", *args.argv], "cache": cache}
     try:
         last = train.train(cfg, plan, ds, opts, out, extra_config=extra)
     except train.TrainingDivergedError as err:
@@ -230,7 +248,7 @@ def run_train(args: argparse.Namespace) -> int:
     print(
         f"step {last['step']}: loss {last['loss']:.4f}, test_loss {last['test_loss']:.4f}, "
         f"test_accuracy {last['test_accuracy']:.4f}; wrote {out}/"
-        f"{{metrics.jsonl,config.json,curves.png}}"
+        "{metrics.jsonl,config.json,curves.png}"
     )
     return 0
 
@@ -238,7 +256,9 @@ def run_train(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     commands = {"verify": run_verify, "inspect": run_inspect, "train": run_train}
     try:
+        argv = list(sys.argv[1:] if argv is None else argv)
         args = build_parser().parse_args(argv)
+        args.argv = argv
         return commands[args.command](args)
     except (UsageError, ValueError) as err:  # PlanError, DataError, config errors: ValueErrors
         print(f"shardkit: error: {err}", file=sys.stderr)

@@ -99,3 +99,8 @@ def test_train_vit_learns_digits() -> None:
     rows = re.findall(rf"loss ({NUMBER})\s+grad_norm ({NUMBER})\s+test_accuracy ({NUMBER})", out)
     assert len(rows) == 2, out
     assert float(rows[-1][0]) < float(rows[0][0]) and float(rows[-1][2]) >= 0.85, out
+
+
+def test_verify_own_mlp_property_test_passes() -> None:
+    out = ok_output(run_example("verify_own_mlp.py", "--examples", "8"))
+    assert re.search(r"^8 examples on meshes of \[[\d, ]+\] devices: sharded == twin$", out, re.M)

@@ -210,8 +210,8 @@ def measure(
 
     Args:
       fn: a ``jax.jit``-ed function, or a plain one (it is jitted here).
-      *args, **kwargs: example arguments (arrays or ``jax.ShapeDtypeStruct``s), passed to
-        ``lower``.
+      *args: example arguments (arrays or ``jax.ShapeDtypeStruct``s), passed to ``lower``.
+      **kwargs: example keyword arguments, passed to ``lower``.
       mesh: the mesh whose axes name the replica groups; default: the mesh of the first
         ``NamedSharding`` among the compiled program's input shardings, if any.
 

@@ -270,7 +270,9 @@ def inspect(
     """Compiles ``ShardedViT(cfg, plan)``'s train step and holds it to ``shardkit.cost``.
 
     Args:
-      cfg, plan, batch: the model, the parallelism plan and the GLOBAL batch size.
+      cfg: the model.
+      plan: the parallelism plan.
+      batch: the GLOBAL batch size.
       hlo_path: if given, the compiled HLO text is written there.
       platform: passed to ``cost.expected`` (element sizes of activation collectives).
 

@@ -540,7 +540,9 @@ def attention_ulysses(
     Signature: q, k, v[B, T_X, H, K] -> out[B, T_X, H, K], lse[B, H, T_X].
 
     Args:
-      q, k, v: local blocks [b, t, h, k]; h must be divisible by n.
+      q: the local query block [b, t, h, k]; h must be divisible by n.
+      k: the local key block, shaped like q.
+      v: the local value block, shaped like q.
       key_valid: local bool mask [b, t] or [t] (True = real key), or None: an arbitrary data
         mask, all-gathered over ``axis``.
       axis: the mesh axis the sequence is split over.
@@ -552,7 +554,7 @@ def attention_ulysses(
       out [b, t, h, k] and lse [b, h, t] as ``attention_local`` on the whole sequence.
 
     Raises:
-      PlanError (a ValueError), at trace time, when h is not divisible by n.
+      PlanError: (a ValueError) at trace time, when h is not divisible by n.
     """
     _check_num_valid(num_valid)
 
@@ -587,10 +589,13 @@ def attention_usp(
     Signature: q, k, v[B, T_(R,U), H, K] -> out[B, T_(R,U), H, K], lse[B, H, T_(R,U)].
 
     Args:
-      q, k, v: local blocks [b, t, h, k]; h must be divisible by the Ulysses axis size.
+      q: the local query block [b, t, h, k]; h must be divisible by the Ulysses axis size.
+      k: the local key block, shaped like q.
+      v: the local value block, shaped like q.
       key_valid: local bool mask [b, t] or [t] (True = real key), or None: an arbitrary data
         mask, all-gathered over the Ulysses axis, then sent round the ring with K and V.
-      ulysses_axis, ring_axis: the two mesh axes the sequence is split over.
+      ulysses_axis: the mesh axis of the all-to-alls (minor in the token split).
+      ring_axis: the mesh axis of the ring (major in the token split).
       key_chunk: most keys per chunk in the ring's hops (see ``attention_ring``).
       num_valid: static; keys at global index ≥ num_valid (in the sequence split over
         (ring_axis, ulysses_axis), ring major) are padding. The communication-free path for
