@@ -69,7 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--hlo", metavar="FILE", help="write the compiled HLO text here")
     inspect.add_argument("--plot", metavar="FILE.png", help="draw the collective pattern here")
     _add_train_parser(sub)
+    _add_bench_parser(sub)
     return parser
+
+
+def _add_bench_parser(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="time shardkit vs XLA's automatic partitioner vs 1 device")
+    _add_model_opts(bench, 32, "4 layers, dim 256, 8 heads, mlp 1024, 32px, patch 4")
+    _add_plan_opts(bench)
+    bench.add_argument("--strategies", metavar="LIST", help="comma-separated names (default: all)")
+    bench.add_argument("--steps", type=int, default=5, help="timed rounds (default 5)")
+    bench.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    bench.add_argument("--plot", metavar="FILE.png", help="draw time and bytes per strategy")
 
 
 def _add_train_parser(sub: Any) -> None:
@@ -253,8 +266,58 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_cases(args: argparse.Namespace) -> list[Any]:
+    from shardkit.run import bench
+    from shardkit.run.verify import Case
+
+    if _plan_given(args):
+        if args.strategies:
+            raise UsageError("give either --strategies or plan options (--mesh ...), not both.")
+        return [Case("custom", plan_from_args(args))]
+    cases = bench.strategies(args.devices)
+    if not args.strategies:
+        return cases
+    by_name = {case.name.lower(): case for case in cases}
+    wanted = [name.strip() for name in args.strategies.split(",") if name.strip()]
+    unknown = [name for name in wanted if name.lower() not in by_name]
+    if unknown or not wanted:
+        names = ", ".join(case.name for case in cases)
+        raise UsageError(
+            f"unknown strategy {unknown[0] if unknown else '(none)'!r}; choose from {names}."
+        )
+    return [by_name[name.lower()] for name in wanted]
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from shardkit.run import bench
+
+    if args.steps < 1 or args.warmup < 0:
+        raise UsageError(
+            f"--steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}."
+        )
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs matplotlib: pip install 'shardkit[plot]'.")
+    _setup_devices(args.devices)
+    cfg = model_config(args, bench.DEFAULT_MODEL)
+    cases = _bench_cases(args)
+
+    def progress(what: str) -> None:
+        print(f"bench: {what}", file=sys.stderr, flush=True)
+
+    result = bench.run(cfg, cases, args.batch, args.steps, args.warmup, progress)
+    if args.plot:
+        bench.plot(result, args.plot)
+    print(json.dumps(result) if args.json else bench.format_table(result, args.markdown))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    commands = {"verify": run_verify, "inspect": run_inspect, "train": run_train}
+    commands = {
+        "verify": run_verify,
+        "inspect": run_inspect,
+        "train": run_train,
+        "bench": run_bench,
+    }
     try:
         argv = list(sys.argv[1:] if argv is None else argv)
         args = build_parser().parse_args(argv)

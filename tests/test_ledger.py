@@ -75,6 +75,7 @@ def all_reduce(groups: str) -> str:
         ("mesh['a'=4,'b'=2] {'a':(1)2}", ("data",), 2),  # the major half of a
         ("mesh['a'=2,'b'=4], device_ids=([2,4]<=[4,2]T(1,0)) {'a'}", ("model",), 2),
         ("mesh['a'=2,'b'=4], device_ids=(0,2,4,6,1,3,5,7) {'b'}", ("data",), 4),
+        ("mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}", ("model",), 2),  # Shardy, no <=
     ],
 )
 def test_every_replica_group_spelling_maps_to_mesh_axes(mesh_dm, groups, axes, size):
@@ -92,6 +93,12 @@ def test_iota_and_sub_axis_groups_list_the_right_devices(mesh_dm):
     assert groups("mesh['a'=4,'b'=2] {'a':(1)2}") == ((0, 4), (1, 5), (2, 6), (3, 7))
     assert groups("mesh['a'=4,'b'=2] {'a':(2)2}") == ((0, 2), (1, 3), (4, 6), (5, 7))
     assert groups("mesh['a'=2,'b'=4], device_ids=([2,4]<=[4,2]T(1,0)) {'a'}") == (
+        (0, 1),
+        (2, 3),
+        (4, 5),
+        (6, 7),
+    )
+    assert groups("mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}") == (
         (0, 1),
         (2, 3),
         (4, 5),

@@ -14,6 +14,7 @@ sharded code maps those names to mesh axes in one rules table instead of scatter
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import einops
@@ -268,7 +269,10 @@ def pool(x: Float[Array, "b t d"], cfg: ViTConfig) -> Float[Array, "b d"]:
 
 
 def forward(
-    params: Params, images: Float[Array, "b H W c"], cfg: ViTConfig
+    params: Params,
+    images: Float[Array, "b H W c"],
+    cfg: ViTConfig,
+    constrain: Callable[[Array], Array] | None = None,
 ) -> tuple[Float[Array, "b o"], dict[str, Array]]:
     """Logits and named intermediates.
 
@@ -276,6 +280,9 @@ def forward(
       params: a pytree from ``init(key, cfg)``.
       images: float images, shape [b, image, image, channels] (NHWC).
       cfg: the model config.
+      constrain: applied to the tokens [b, t, d] after the embedding and at every block's
+        input, e.g. a ``jax.lax.with_sharding_constraint`` that asks XLA's automatic
+        partitioner to split tokens (the reference itself never needs it).
 
     Returns:
       logits of shape [b, classes] (float32), and a dict with ``embedding`` [b, t, d],
@@ -283,11 +290,12 @@ def forward(
       ``pre_logits`` [b, d] (pooled features).
     """
     dtype = compute_dtype(cfg)
-    x = embed(params, images, cfg)
+    constrain = constrain or (lambda x: x)
+    x = constrain(embed(params, images, cfg))
     inter: dict[str, Array] = {"embedding": x}
 
     def scan_body(x: Array, p: Params) -> tuple[Array, Array]:
-        x = block(x, p, dtype)
+        x = block(constrain(x), p, dtype)
         return x, x
 
     x, per_layer = jax.lax.scan(scan_body, x, params["blocks"])

@@ -28,10 +28,15 @@ def accuracy(logits: Float[Array, "b o"], labels: Int[Array, " b"]) -> Float[Arr
 
 
 def loss_fn(
-    params: Params, images: Float[Array, "b H W c"], labels: Int[Array, " b"], cfg: ViTConfig
+    params: Params,
+    images: Float[Array, "b H W c"],
+    labels: Int[Array, " b"],
+    cfg: ViTConfig,
+    constrain: Callable[[Array], Array] | None = None,
 ) -> Float[Array, ""]:
-    """The training objective: cross-entropy of the reference forward."""
-    logits, _ = forward(params, images, cfg)
+    """The training objective: cross-entropy of the reference forward (``constrain``: see
+    ``forward``)."""
+    logits, _ = forward(params, images, cfg, constrain)
     return cross_entropy(logits, labels)
 
 

@@ -219,7 +219,12 @@ def measure(
       A :class:`Ledger`; see the module docstring for what is counted and how.
     """
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    compiled = jitted.lower(*args, **kwargs).compile()
+    return ledger_of(jitted.lower(*args, **kwargs).compile(), mesh)
+
+
+def ledger_of(compiled: Any, mesh: AnyMesh | None = None) -> Ledger:
+    """The ledger of an already compiled program (``jit(f).lower(...).compile()``); ``mesh`` as
+    for ``measure``."""
     hlo = compiled.as_text()
     mesh = mesh if mesh is not None else _input_mesh(compiled)
     return Ledger(tuple(parse_hlo(hlo, mesh)), hlo, _memory(compiled), _flops(compiled))
@@ -670,7 +675,14 @@ def _device_ids(spec: str | None, total: int) -> np.ndarray:
         return np.arange(total)
     if "<=" in spec:
         return _iota(spec.strip()).reshape(-1)
+    transposed = _TRANSPOSED_IOTA.fullmatch(spec.strip())
+    if transposed:  # "[2,4]T(1,0)": iota over [2, 4], transposed, flattened
+        dims, perm = ([int(v) for v in g.split(",") if v.strip()] for g in transposed.groups())
+        return np.arange(math.prod(dims)).reshape(dims).transpose(perm).reshape(-1)
     return np.array([int(i) for i in re.findall(r"\d+", spec)[-total:]])
+
+
+_TRANSPOSED_IOTA = re.compile(r"\[([\d,\s]*)\]\s*T\(([\d,\s]*)\)")
 
 
 def _linked_size(pairs: tuple[tuple[int, int], ...]) -> int:

@@ -292,34 +292,49 @@ def inspect(
 
 def auto_train_step(
     cfg: vit_ref.ViTConfig, plan: Plan, optimizer: optax.GradientTransformation
-) -> tuple[Callable[..., Any], Any]:
-    """The reference train step partitioned by XLA: ``(jitted step, param shardings)``.
+) -> tuple[Callable[..., Any], Any, Any]:
+    """The reference train step partitioned by XLA: ``(jitted step, param shardings,
+    optimizer-state shardings)``.
 
     ``vit_ref``'s unsharded loss and AdamW update under ``jax.jit``, params placed with the
     plan's ``NamedSharding``s (heads and MLP hidden over model; embed over data with FSDP),
-    the batch over data, and nothing else said: XLA's partitioner (Shardy) chooses every
-    collective. There is no token split (no ``shard_map``; the seq axis only replicates).
+    the batch over data, and for the token-splitting modes what a GSPMD user would write: a
+    ``with_sharding_constraint`` of the tokens over the plan's token axis (``seq`` for ring,
+    Ulysses and USP, ``model`` for Megatron-SP) at the embedding and every block input. XLA's
+    partitioner (Shardy) chooses every collective; without the constraint it would not split
+    tokens at all.
     """
     mesh = make_mesh(plan.mesh)
+    constrain = _token_constraint(plan, mesh)
     specs = param_specs(cfg, plan)
     param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     shapes = jax.eval_shape(lambda: vit_ref.init(jax.random.key(0), cfg))
     _, opt_shardings = opt_state_layout(optimizer, shapes, specs, lambda s: NamedSharding(mesh, s))
 
     def step(params: Any, opt_state: Any, images: jax.Array, labels: jax.Array) -> Any:
-        loss, grads = jax.value_and_grad(vit_ref.loss_fn)(params, images, labels, cfg)
+        loss, grads = jax.value_and_grad(vit_ref.loss_fn)(params, images, labels, cfg, constrain)
         params, opt_state = apply_optimizer(optimizer, grads, opt_state, params)
         return params, opt_state, {"loss": loss}
 
     out = (param_shardings, opt_shardings, NamedSharding(mesh, P()))
-    return jax.jit(step, donate_argnums=(0, 1), out_shardings=out), param_shardings
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=out), param_shardings, opt_shardings
+
+
+def _token_constraint(plan: Plan, mesh: Any) -> Callable[[jax.Array], jax.Array] | None:
+    """tokens[B_data, T_axis, D] as a sharding constraint, for plans that split tokens."""
+    axis = {"ring": "seq", "ulysses": "seq", "usp": "seq", "megatron": "model"}.get(plan.sp)
+    if axis is None or plan.size(axis) == 1:
+        return None
+    batch_axis = "data" if plan.size("data") > 1 else None
+    tokens = NamedSharding(mesh, P(batch_axis, axis, None))
+    return lambda x: jax.lax.with_sharding_constraint(x, tokens)
 
 
 def measure_auto(cfg: vit_ref.ViTConfig, plan: Plan, batch: int) -> Ledger:
     """The ledger of ``auto_train_step`` compiled for a global ``batch`` (never run)."""
     check_plan(cfg, plan, batch)
     optimizer = default_optimizer()
-    step, _ = auto_train_step(cfg, plan, optimizer)
+    step, _, _ = auto_train_step(cfg, plan, optimizer)
     mesh = make_mesh(plan.mesh)
     batch_spec = P("data") if plan.size("data") > 1 else P()
     specs = param_specs(cfg, plan)
