@@ -100,6 +100,7 @@ class Contender:
     opt_state: Any
     batch: tuple[jax.Array, ...]
     compile_s: float
+    program: str  # the lowered StableHLO text: what was asked of XLA, before partitioning
     ledger: Ledger | None = None
     times: list[float] = dataclasses.field(default_factory=list)
 
@@ -110,10 +111,12 @@ class Contender:
         return time.perf_counter() - t0
 
 
-def _compiled(fn: Any, *args: Any) -> tuple[Any, float]:
+def _compiled(fn: Any, *args: Any) -> tuple[Any, float, str]:
+    """(compiled, compile seconds, lowered text)."""
     t0 = time.perf_counter()
-    compiled = fn.lower(*args).compile()
-    return compiled, time.perf_counter() - t0
+    lowered = fn.lower(*args)
+    compiled = lowered.compile()
+    return compiled, time.perf_counter() - t0, lowered.as_text()
 
 
 def shardkit_contender(cfg: vit_ref.ViTConfig, plan: Plan, params: Any, batch: Any) -> Contender:
@@ -122,8 +125,8 @@ def shardkit_contender(cfg: vit_ref.ViTConfig, plan: Plan, params: Any, batch: A
     placed = model.shard(params)
     state = model.init_opt_state(optimizer, placed)
     data = model.shard_batch(*batch)
-    step, seconds = _compiled(model.train_step(optimizer), placed, state, *data)
-    return Contender(step, placed, state, data, seconds, ledger_of(step, model.mesh))
+    step, seconds, program = _compiled(model.train_step(optimizer), placed, state, *data)
+    return Contender(step, placed, state, data, seconds, program, ledger_of(step, model.mesh))
 
 
 def auto_contender(cfg: vit_ref.ViTConfig, plan: Plan, params: Any, batch: Any) -> Contender:
@@ -134,8 +137,8 @@ def auto_contender(cfg: vit_ref.ViTConfig, plan: Plan, params: Any, batch: Any) 
     state = jax.jit(optimizer.init, out_shardings=opt_shardings)(placed)
     data_sharding = NamedSharding(mesh, P("data") if plan.size("data") > 1 else P())
     data = tuple(jax.device_put(a, data_sharding) for a in batch)
-    step, seconds = _compiled(step_fn, placed, state, *data)
-    return Contender(step, placed, state, data, seconds, ledger_of(step, mesh))
+    step, seconds, program = _compiled(step_fn, placed, state, *data)
+    return Contender(step, placed, state, data, seconds, program, ledger_of(step, mesh))
 
 
 def single_device_contender(cfg: vit_ref.ViTConfig, params: Any, batch: Any) -> Contender:
@@ -144,8 +147,10 @@ def single_device_contender(cfg: vit_ref.ViTConfig, params: Any, batch: Any) -> 
     placed = jax.device_put(jax.tree.map(jnp.copy, params), device)
     state = jax.jit(optimizer.init)(placed)
     data = tuple(jax.device_put(a, device) for a in batch)
-    step, seconds = _compiled(vit_ref.make_train_step(cfg, optimizer), placed, state, *data)
-    return Contender(step, placed, state, data, seconds)
+    step, seconds, program = _compiled(
+        vit_ref.make_train_step(cfg, optimizer), placed, state, *data
+    )
+    return Contender(step, placed, state, data, seconds, program)
 
 
 # ----------------------------------------------------------------------------- rows
