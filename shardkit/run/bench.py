@@ -329,6 +329,11 @@ def format_table(result: dict[str, Any], markdown: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _short_mesh(mesh: str) -> str:
+    """"data=4,seq=1,model=2" -> "data=4,model=2" (axes of size 1 left out)."""
+    return ",".join(p for p in mesh.split(",") if not p.endswith("=1")) or "1 device"
+
+
 def plot(result: dict[str, Any], path: str) -> None:
     """Bars per strategy: step time (three contenders) and bytes sent (two, and the minimum)."""
     import matplotlib
@@ -353,7 +358,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax_b.bar(x + (i - 1) * 0.27, [1e-6 * (r[key] or 0) for r in rows], 0.27, label=label)
     ax_b.set(ylabel="MB sent per device per step")
     ax_b.legend()
-    ax_b.set_xticks(x, [f"{r['strategy']}\n{r['mesh']}" for r in rows], fontsize=8)
+    ax_b.set_xticks(x, [f"{r['strategy']}\n{_short_mesh(r['mesh'])}" for r in rows], fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
