@@ -72,8 +72,15 @@ def make_mesh(
     sizes = tuple(shape[a] for a in AXES)
     need = math.prod(sizes)
     if need > len(devices):
+        hint = (
+            f"; call shardkit.set_cpu_devices({need}) before any other JAX call for more CPU "
+            "devices"
+            if jax.default_backend() == "cpu"
+            else ""
+        )
         raise PlanError(
-            f"Mesh {format_mesh(shape)} needs {need} devices but only {len(devices)} are available."
+            f"Mesh {format_mesh(shape)} needs {need} devices but only {len(devices)} are "
+            f"available{hint}."
         )
     grid = np.asarray(devices[:need], dtype=object).reshape(sizes)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+import shardkit
 from shardkit import collectives as coll
 from shardkit.mesh import AXES, make_mesh
 
@@ -516,3 +517,26 @@ def test_megatron_f_and_g_reject_the_wrong_vma_type() -> None:
         jax.shard_map(lambda b: coll.megatron_g(b, axis), mesh=mesh, in_specs=P(), out_specs=P())(
             np.zeros(2, np.float32)
         )
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda x: coll.all_reduce(x, "model"), "collectives.all_reduce"),
+        (lambda x: coll.ring_all_gather(x, "seq"), "collectives.ring_all_gather"),
+        (lambda x: shardkit.tensor.enter_tp(x, "model"), "tensor.enter_tp"),  # names the outer
+        (lambda x: shardkit.data.vary({"w": x}, {"w": ("data",)}), "data.vary"),
+    ],
+)
+def test_primitives_name_themselves_outside_shard_map(call, name) -> None:
+    want = rf"^shardkit\.{re.escape(name)} must run inside jax\.shard_map, on a mesh that has "
+    with pytest.raises(coll.OutsideShardMapError, match=want + r"every axis it is given \("):
+        call(jnp.ones((2, 4)))
+
+
+def test_an_axis_the_mesh_lacks_is_named() -> None:
+    mesh = make_mesh({"data": 2})
+    body = lambda x: coll.all_reduce(x, "pipe")  # noqa: E731
+    fn = jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P())
+    with pytest.raises(coll.OutsideShardMapError, match=r"all_reduce .*no axis 'pipe'; its axes"):
+        fn(jnp.ones((2, 4)))

@@ -156,6 +156,33 @@ def test_vary_then_sync_grads_equals_the_whole_batch_gradient() -> None:
     assert lowered_all_reduces(dp_grads(False), params, x) == len(params)
 
 
+def test_forgetting_vary_raises_instead_of_multiplying_by_n() -> None:
+    """The silent mistake: without ``vary`` autodiff already summed over data, and a second sum
+    would make the gradients 4x too large. sync_grads refuses, naming the leaf and the fix."""
+    params, x = linear_inputs()
+    axes = {"kernel": ("data",), "bias": ("data",), "scale": ("data",)}
+
+    def body(params: dict, x_block: jax.Array) -> dict:
+        grads = jax.grad(linear_loss)(params, x_block, 8)  # no dp.vary: invariant over data
+        return dp.sync_grads(grads, axes)
+
+    fn = jax.shard_map(body, mesh=mesh_of(4), in_specs=(P(), P("data")), out_specs=P())
+    with pytest.raises(ValueError, match=re.escape(
+        "sync_grads: gradient leaf ['bias'] is already summed over 'data' (typed invariant "
+        "there), so all-reducing it again would multiply it by 4; did you forget "
+        "data.vary(params, axes) before the loss?"
+    )):  # fmt: skip
+        jax.jit(fn)(params, x)
+
+
+def test_make_mesh_says_how_to_get_more_cpu_devices() -> None:
+    with pytest.raises(ValueError, match=re.escape(
+        "needs 16 devices but only 8 are available; call shardkit.set_cpu_devices(16) before "
+        "any other JAX call for more CPU devices."
+    )):  # fmt: skip
+        make_mesh({"data": 16})
+
+
 def test_vary_is_an_identity_cast() -> None:
     mesh = mesh_of(2, 2)
     x = np.arange(6.0, dtype=np.float32)

@@ -631,3 +631,31 @@ def test_ledger_of_nothing():
     empty = Ledger(())
     assert (empty.total_bytes_sent(), empty.summary()) == (0, {})
     assert empty.to_json()["memory"] == {"argument": None, "output": None, "temp": None}
+
+
+class _Compiled:
+    """A compiled program whose inputs and outputs carry no NamedSharding (e.g. pmap-era code)."""
+
+    input_shardings = ((jax.sharding.SingleDeviceSharding(jax.devices()[0]),), {})
+    output_shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def __init__(self, hlo: str) -> None:
+        self.hlo = hlo
+
+    def as_text(self) -> str:
+        return self.hlo
+
+    def memory_analysis(self) -> None:
+        return None
+
+    def cost_analysis(self) -> dict:
+        return {}
+
+
+def test_a_program_without_a_mesh_is_refused_not_mislabelled() -> None:
+    from shardkit.comm.ledger import ledger_of
+
+    text = module(all_reduce("{{0,1},{2,3},{4,5},{6,7}}"))
+    with pytest.raises(ValueError, match=r"cannot name the mesh axes .* pass mesh=<the Mesh>"):
+        ledger_of(_Compiled(text))
+    assert ledger_of(_Compiled(module("%n = f32[4,4]{1,0} negate(%p)"))).collectives == ()

@@ -213,7 +213,8 @@ def measure(
       *args: example arguments (arrays or ``jax.ShapeDtypeStruct``s), passed to ``lower``.
       **kwargs: example keyword arguments, passed to ``lower``.
       mesh: the mesh whose axes name the replica groups; default: the mesh of the first
-        ``NamedSharding`` among the compiled program's input shardings, if any.
+        ``NamedSharding`` among the compiled program's input (then output) shardings. Without
+        one, a program with collectives raises ``ValueError`` (see ``ledger_of``).
 
     Returns:
       A :class:`Ledger`; see the module docstring for what is counted and how.
@@ -224,14 +225,29 @@ def measure(
 
 def ledger_of(compiled: Any, mesh: AnyMesh | None = None) -> Ledger:
     """The ledger of an already compiled program (``jit(f).lower(...).compile()``); ``mesh`` as
-    for ``measure``."""
+    for ``measure``.
+
+    Raises:
+      ValueError: no ``mesh`` was given, none is found in the program's input or output
+        shardings, and the program has collectives: their axes could not be named (they would
+        all read "-" and rows of different axes would merge).
+    """
     hlo = compiled.as_text()
-    mesh = mesh if mesh is not None else _input_mesh(compiled)
-    return Ledger(tuple(parse_hlo(hlo, mesh)), hlo, _memory(compiled), _flops(compiled))
+    mesh = mesh if mesh is not None else _program_mesh(compiled)
+    collectives = tuple(parse_hlo(hlo, mesh))
+    if mesh is None and any(c.group_size > 1 for c in collectives):
+        raise ValueError(
+            "ledger.measure cannot name the mesh axes of this program's collectives: none of "
+            "its inputs or outputs is placed with a NamedSharding; pass mesh=<the Mesh>."
+        )
+    return Ledger(collectives, hlo, _memory(compiled), _flops(compiled))
 
 
-def _input_mesh(compiled: Any) -> Mesh | None:
-    for sharding in jax.tree.leaves(compiled.input_shardings):
+def _program_mesh(compiled: Any) -> Mesh | None:
+    """The mesh of the first NamedSharding among the inputs, else among the outputs."""
+    shardings = [*jax.tree.leaves(compiled.input_shardings)]
+    shardings += jax.tree.leaves(compiled.output_shardings)
+    for sharding in shardings:
         if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
             return sharding.mesh
     return None

@@ -39,16 +39,19 @@ the opposite direction, and vice versa.
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import jax
 import jax.numpy as jnp
 
 Axis = str | tuple[str, ...]
+F = TypeVar("F", bound=Callable[..., Any])
 
 __all__ = [
+    "OutsideShardMapError",
     "all_gather",
     "all_reduce",
     "all_to_all",
@@ -65,23 +68,79 @@ __all__ = [
     "ring_all_reduce",
     "ring_reduce_scatter",
     "ring_shift",
+    "shard_map_primitive",
 ]
+
+
+class OutsideShardMapError(ValueError):
+    """A ``shard_map`` primitive called outside ``jax.shard_map``, or naming an axis that the
+    mesh it runs on lacks. The message names the primitive (the outermost one called)."""
+
+    def __init__(self, fn: Callable[..., Any], detail: str) -> None:
+        self.detail = detail
+        super().__init__(
+            f"shardkit.{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__} must run inside "
+            f"jax.shard_map, on a mesh that has every axis it is given ({detail})."
+        )
+
+
+# What JAX says when a collective runs with no shard_map around it, or with an unknown axis.
+_OUTSIDE = ("unbound axis name", "should be called under jax.shard_map")
+_AXIS_PARAMS = ("axis", "ulysses_axis", "ring_axis")
+
+
+def shard_map_primitive(fn: F) -> F:
+    """Decorates a primitive so that calling it outside ``shard_map`` (or naming an axis the
+    mesh lacks) raises ``OutsideShardMapError`` naming it, instead of JAX's internal message.
+    Only the error path is checked, so the primitives still work wherever JAX's collectives do
+    (e.g. under ``vmap`` with an ``axis_name``)."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except OutsideShardMapError as err:
+            raise OutsideShardMapError(fn, err.detail) from None
+        except (NameError, ValueError, AssertionError) as err:
+            detail = _outside_detail(err, signature.bind_partial(*args, **kwargs).arguments)
+            if detail is None:
+                raise
+            raise OutsideShardMapError(fn, detail) from err
+
+    return checked  # type: ignore[return-value]
+
+
+def _outside_detail(err: Exception, arguments: dict[str, Any]) -> str | None:
+    """Why ``err`` means "not inside a shard_map that has these axes", or None."""
+    first = (str(err).splitlines() or [""])[0]
+    if any(s in first for s in _OUTSIDE):
+        return first
+    mesh_axes = jax.sharding.get_abstract_mesh().axis_names
+    named: list[Axis] = [arguments[p] for p in _AXIS_PARAMS if arguments.get(p) is not None]
+    missing = [a for axis in named for a in _names(axis) if mesh_axes and a not in mesh_axes]
+    if isinstance(err, AssertionError) and missing:
+        return f"the mesh has no axis {missing[0]!r}; its axes are {', '.join(mesh_axes)}"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
 # Thin wrappers over the built-ins.
 
 
+@shard_map_primitive
 def axis_index(axis: Axis) -> jax.Array:
     """This device's index along ``axis`` (int32 scalar in ``[0, n)``, varying over ``axis``)."""
     return jax.lax.axis_index(axis)
 
 
+@shard_map_primitive
 def axis_size(axis: Axis) -> int:
     """The number of devices n along ``axis`` (a static Python int)."""
     return jax.lax.axis_size(axis)
 
 
+@shard_map_primitive
 def all_reduce(x: jax.Array, axis: Axis) -> jax.Array:
     """Sums x over ``axis`` (``psum``): ``x[I]{U_X} -> x[I]``.
 
@@ -91,6 +150,7 @@ def all_reduce(x: jax.Array, axis: Axis) -> jax.Array:
     return jax.lax.psum(x, axis)
 
 
+@shard_map_primitive
 def all_gather(x: jax.Array, axis: Axis, *, axis_dim: int = 0, tiled: bool = False) -> jax.Array:
     """Gathers the blocks of x from every device of ``axis``: ``x[I_X, J] -> x[I, J]``.
 
@@ -107,6 +167,7 @@ def all_gather(x: jax.Array, axis: Axis, *, axis_dim: int = 0, tiled: bool = Fal
     return jax.lax.all_gather(x, axis, axis=axis_dim, tiled=tiled)
 
 
+@shard_map_primitive
 def reduce_scatter(
     x: jax.Array, axis: Axis, *, scatter_dim: int = 0, tiled: bool = False
 ) -> jax.Array:
@@ -126,6 +187,7 @@ def reduce_scatter(
     return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=tiled)
 
 
+@shard_map_primitive
 def all_to_all(
     x: jax.Array, axis: Axis, split_axis: int, concat_axis: int, *, tiled: bool = False
 ) -> jax.Array:
@@ -139,6 +201,7 @@ def all_to_all(
     return jax.lax.all_to_all(x, axis, split_axis % x.ndim, concat_axis % x.ndim, tiled=tiled)
 
 
+@shard_map_primitive
 def permute(x: jax.Array, axis: Axis, perm: Sequence[tuple[int, int]]) -> jax.Array:
     """Sends x from device ``src`` to device ``dst`` for each ``(src, dst)`` in ``perm``.
 
@@ -150,6 +213,7 @@ def permute(x: jax.Array, axis: Axis, perm: Sequence[tuple[int, int]]) -> jax.Ar
     return jax.lax.ppermute(x, axis, [(to_mesh[s], to_mesh[d]) for s, d in perm])
 
 
+@shard_map_primitive
 def ring_shift(x: jax.Array, axis: Axis, offset: int = 1) -> jax.Array:
     """Sends x from device i to device (i + offset) mod n: ``x[I_X] -> x[I_X]``, blocks rotated.
 
@@ -162,6 +226,7 @@ def ring_shift(x: jax.Array, axis: Axis, offset: int = 1) -> jax.Array:
 # Ring versions built only from ppermute.
 
 
+@shard_map_primitive
 def ring_all_gather(
     x: jax.Array, axis: Axis, *, axis_dim: int = 0, tiled: bool = False
 ) -> jax.Array:
@@ -175,6 +240,7 @@ def ring_all_gather(
     return _ring_gather(x, axis, dim, 1)
 
 
+@shard_map_primitive
 def ring_reduce_scatter(
     x: jax.Array, axis: Axis, *, scatter_dim: int = 0, tiled: bool = False
 ) -> jax.Array:
@@ -189,6 +255,7 @@ def ring_reduce_scatter(
     return out if tiled else jnp.squeeze(out, dim)
 
 
+@shard_map_primitive
 def ring_all_reduce(
     x: jax.Array, axis: Axis, *, to: Literal["varying", "invariant"] = "varying"
 ) -> jax.Array:
@@ -207,6 +274,7 @@ def ring_all_reduce(
     return _all_reduce_by(x, axis, ring_reduce_scatter, ring_all_gather, to)
 
 
+@shard_map_primitive
 def bidir_all_gather(
     x: jax.Array, axis: Axis, *, axis_dim: int = 0, tiled: bool = False
 ) -> jax.Array:
@@ -226,6 +294,7 @@ def bidir_all_gather(
     return _place_blocks(rows.reshape(-1, *x.shape), axis_dim, tiled)
 
 
+@shard_map_primitive
 def bidir_reduce_scatter(
     x: jax.Array, axis: Axis, *, scatter_dim: int = 0, tiled: bool = False
 ) -> jax.Array:
@@ -246,6 +315,7 @@ def bidir_reduce_scatter(
     return row.reshape(blocks.shape[1:])
 
 
+@shard_map_primitive
 def bidir_all_reduce(
     x: jax.Array, axis: Axis, *, to: Literal["varying", "invariant"] = "varying"
 ) -> jax.Array:
@@ -261,6 +331,7 @@ def bidir_all_reduce(
 # Megatron's conjugate pair.
 
 
+@shard_map_primitive
 def megatron_f(x: jax.Array, axis: Axis) -> jax.Array:
     """Megatron's f: identity forward, all-reduce of the cotangent backward.
 
@@ -280,6 +351,7 @@ def megatron_f(x: jax.Array, axis: Axis) -> jax.Array:
     return _vary(x, axis)  # pcast(x, axis, to="varying") of the axes x is invariant over
 
 
+@shard_map_primitive
 def megatron_g(x: jax.Array, axis: Axis) -> jax.Array:
     """Megatron's g: all-reduce forward, identity backward.
 

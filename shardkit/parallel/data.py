@@ -32,12 +32,13 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array
 
-from shardkit.parallel.collectives import all_gather, reduce_scatter
+from shardkit.parallel.collectives import all_gather, reduce_scatter, shard_map_primitive
 
 Axes = tuple[str, ...]
 PyTree = Any
 
 
+@shard_map_primitive
 def vary(tree: PyTree, axes_tree: PyTree) -> PyTree:
     """Casts each leaf to varying over its axes (identity forward; no collective in backward).
 
@@ -51,6 +52,7 @@ def vary(tree: PyTree, axes_tree: PyTree) -> PyTree:
     )
 
 
+@shard_map_primitive
 def sync_grads(grads: PyTree, axes_tree: PyTree) -> PyTree:
     """All-reduces each gradient leaf over its axes: ``dw{U_axes} -> dw``, one bucket per axes.
 
@@ -58,13 +60,20 @@ def sync_grads(grads: PyTree, axes_tree: PyTree) -> PyTree:
     never mixes a model-split leaf with a model-replicated one) are flattened, concatenated and
     reduced by ONE all-reduce, like DDP's gradient buckets: the count of all-reduces is the
     number of such groups, not the number of leaves. Cost: 2(n−1)/n · bucket bytes.
+
+    Raises:
+      ValueError: a leaf is typed invariant over an axis it is asked to sum (of size > 1). Its
+        gradient was already reduced there (autodiff's transpose of an implicit broadcast), so
+        summing again would multiply it by n: the params were not cast with ``vary`` first.
     """
-    leaves, treedef = jax.tree.flatten(grads)
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(grads)
     axes_leaves = jax.tree.leaves(axes_tree, is_leaf=lambda x: isinstance(x, tuple))
     buckets: dict[tuple[Axes, frozenset[str], jnp.dtype], list[int]] = defaultdict(list)
-    for i, (leaf, axes) in enumerate(zip(leaves, axes_leaves, strict=True)):
+    for i, ((path, leaf), axes) in enumerate(zip(paths_leaves, axes_leaves, strict=True)):
         if axes:
+            _check_unreduced(leaf, axes, jax.tree_util.keystr(path))
             buckets[tuple(axes), varying_axes(leaf), leaf.dtype].append(i)
+    leaves = [leaf for _, leaf in paths_leaves]
     out = list(leaves)
     for (axes, _, _), members in buckets.items():
         for i, reduced in zip(
@@ -72,6 +81,17 @@ def sync_grads(grads: PyTree, axes_tree: PyTree) -> PyTree:
         ):
             out[i] = reduced
     return jax.tree.unflatten(treedef, out)
+
+
+def _check_unreduced(leaf: Array, axes: Axes, path: str) -> None:
+    invariant = [a for a in axes if a not in varying_axes(leaf) and jax.lax.axis_size(a) > 1]
+    if invariant:
+        a = invariant[0]
+        raise ValueError(
+            f"sync_grads: gradient leaf {path or '(root)'} is already summed over {a!r} "
+            f"(typed invariant there), so all-reducing it again would multiply it by "
+            f"{jax.lax.axis_size(a)}; did you forget data.vary(params, axes) before the loss?"
+        )
 
 
 def varying_axes(x: Array) -> frozenset[str]:
@@ -88,6 +108,7 @@ def _bucket_psum(arrays: Sequence[Array], axes: Axes) -> list[Array]:
     return [flat[o : o + a.size].reshape(a.shape) for o, a in zip(offsets, arrays, strict=True)]
 
 
+@shard_map_primitive
 def fsdp_gather(tree: PyTree, dims_tree: PyTree, axis: str = "data") -> PyTree:
     """All-gathers each FSDP-split leaf along its split dim: ``w[D_data] -> w[D]``.
 
@@ -103,6 +124,7 @@ def fsdp_gather(tree: PyTree, dims_tree: PyTree, axis: str = "data") -> PyTree:
     return jax.tree.map(gather, tree, dims_tree, is_leaf=lambda x: x is None)
 
 
+@shard_map_primitive
 def zero1_update(
     optimizer: optax.GradientTransformation,
     grads: PyTree,
@@ -159,12 +181,14 @@ def optax_update(
         return optax.apply_updates(params, updates), opt_state
 
 
+@shard_map_primitive
 def gather_invariant(x: Array, dim: int | None, axis: str = "data") -> Array:
     """All-gather typed invariant (every device provably holds the same result) for ZeRO-1."""
     # ZeRO-1: reassemble the updated params from every device's slice.
     return x if dim is None else jax.lax.all_gather(x, axis, axis=dim, tiled=True, to="invarying")
 
 
+@shard_map_primitive
 def global_norm(grads: PyTree, split_axes_tree: PyTree, axes: Axes) -> Array:
     """The L2 norm of a whole gradient pytree held as shards: ``sqrt(Σ_leaves ‖g‖²)``.
 

@@ -73,6 +73,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float
 
 from shardkit.mesh import AXES, PlanError
+from shardkit.parallel.collectives import shard_map_primitive
 
 MASK_VALUE = float(np.float32(-0.7 * float(np.finfo(np.float32).max)))  # exact in float32
 SEQ_RING = "seq_ring"
@@ -364,12 +365,13 @@ def _ring_forward(
     return _finish(stats, q.dtype)
 
 
+@shard_map_primitive
 def attention_ring_autodiff(
     q: Block,
     k: Block,
     v: Block,
-    key_valid: KeyValid,
-    axis: str,
+    key_valid: KeyValid = None,
+    axis: str = "seq",
     *,
     key_chunk: int | None = None,
     num_valid: int | None = None,
@@ -445,12 +447,13 @@ def _ring_bwd(
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
+@shard_map_primitive
 def attention_ring(
     q: Block,
     k: Block,
     v: Block,
-    key_valid: KeyValid,
-    axis: str,
+    key_valid: KeyValid = None,
+    axis: str = "seq",
     *,
     key_chunk: int | None = None,
     num_valid: int | None = None,
@@ -490,12 +493,14 @@ def attention_ring(
 # ----------------------------------------------------------------------------- Ulysses
 
 
+@shard_map_primitive
 def seq_to_heads(x: Float[Array, "b t_local h k"], axis: str) -> Float[Array, "b t h_local k"]:
     """[b, t/n, h, k] -> [b, t, h/n, k]: x[B, T_X, H, K] --AllToAll--> x[B, T, H_X, K]."""
     # Trade the token split for a head split: each device then sees every token of h/n heads.
     return jax.lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)
 
 
+@shard_map_primitive
 def heads_to_seq(x: Float[Array, "b t h_local k"], axis: str) -> Float[Array, "b t_local h k"]:
     """[b, t, h/n, k] -> [b, t/n, h, k]: x[B, T, H_X, K] --AllToAll--> x[B, T_X, H, K]."""
     # Undo seq_to_heads: each device gets its own tokens back, now for every head.
@@ -528,8 +533,15 @@ def _ulysses(
     return heads_to_seq(out, axis), lse
 
 
+@shard_map_primitive
 def attention_ulysses(
-    q: Block, k: Block, v: Block, key_valid: KeyValid, axis: str, *, num_valid: int | None = None
+    q: Block,
+    k: Block,
+    v: Block,
+    key_valid: KeyValid = None,
+    axis: str = "seq",
+    *,
+    num_valid: int | None = None,
 ) -> tuple[Block, Lse]:
     """Ulysses (DeepSpeed) sequence parallelism over mesh axis ``axis`` of size n.
 
@@ -569,13 +581,14 @@ def attention_ulysses(
 # ----------------------------------------------------------------------------- USP
 
 
+@shard_map_primitive
 def attention_usp(
     q: Block,
     k: Block,
     v: Block,
-    key_valid: KeyValid,
-    ulysses_axis: str,
-    ring_axis: str,
+    key_valid: KeyValid = None,
+    ulysses_axis: str = SEQ_ULYSSES,
+    ring_axis: str = SEQ_RING,
     *,
     key_chunk: int | None = None,
     num_valid: int | None = None,
@@ -652,8 +665,10 @@ def pad_tokens(x: Array, multiple: int, axis: int = 1) -> tuple[Array, Bool[Arra
     """Zero-pads (False for bool) ``axis`` of ``x`` up to a multiple of ``multiple``.
 
     Use outside ``shard_map``. Returns the padded array and valid [t_padded], True on the
-    original tokens: pass it (or its AND with a user mask) as key_valid, and remember that pooling
-    must divide by the true token count (see the module docstring).
+    original tokens. For the sequence-parallel attentions prefer ``num_valid=t`` (each device
+    computes the padding mask from token positions and nothing travels); ``valid`` is for
+    ``attention_local`` or to AND with a data mask passed as ``key_valid``. Pooling must divide
+    by the true token count (see the module docstring).
     """
     axis %= x.ndim
     t = x.shape[axis]

@@ -28,7 +28,13 @@ from typing import Any
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from shardkit.parallel.collectives import all_gather, megatron_f, megatron_g, reduce_scatter
+from shardkit.parallel.collectives import (
+    all_gather,
+    megatron_f,
+    megatron_g,
+    reduce_scatter,
+    shard_map_primitive,
+)
 
 Params = dict[str, Any]
 AttentionCore = Callable[[Array, Array, Array], Array]
@@ -43,6 +49,7 @@ def add_bias(y: Array, b: Array) -> Array:
     return y + b.reshape((1,) * (y.ndim - b.ndim) + b.shape).astype(y.dtype)
 
 
+@shard_map_primitive
 def enter_tp(x: Array, axis: str | None, *, token_dim: int | None = None) -> Array:
     """Start a TP region: Megatron f, or an all-gather of tokens for sequence parallelism.
 
@@ -59,6 +66,7 @@ def enter_tp(x: Array, axis: str | None, *, token_dim: int | None = None) -> Arr
     return all_gather(x, axis, axis_dim=token_dim, tiled=True)
 
 
+@shard_map_primitive
 def exit_tp(y_partial: Array, axis: str | None, *, token_dim: int | None = None) -> Array:
     """End a TP region: ``y{U_X}`` -> all-reduced (Megatron g) or reduce-scattered over tokens."""
     if axis is None:
@@ -79,6 +87,7 @@ def dense_column(x: Array, p: Params, spec: str, dtype: jnp.dtype | None = None)
     return add_bias(y, _cast(p["bias"], dtype))
 
 
+@shard_map_primitive
 def dense_row(
     x: Array,
     p: Params,
@@ -93,6 +102,7 @@ def dense_row(
     return add_bias(exit_tp(y_partial, axis, token_dim=token_dim), _cast(p["bias"], dtype))
 
 
+@shard_map_primitive
 def attention_tp(
     x: Float[Array, "b t d"],
     p: Params,
@@ -106,9 +116,26 @@ def attention_tp(
 
     ``x[B, T, D]`` (or ``x[B, T_X, D]`` with ``token_dim``) · ``W_qkv[D, H_X, K]`` ->
     ``q, k, v[B, T, H_X, K]`` -> ``core`` -> ``o[B, T, H_X, K]`` · ``W_o[H_X, K, D]`` ->
-    ``{U_X}`` -> reduced. ``p`` holds ``query``, ``key``, ``value``, ``out`` fragments;
-    ``core(q, k, v) -> o`` is any attention on local heads (plain, ring, Ulysses, masked...).
-    One forward and one backward reduction per call, whatever the number of projections.
+    ``{U_X}`` -> reduced. One forward and one backward reduction per call, whatever the number
+    of projections.
+
+    Args:
+      x: local activations [b, t, d], invariant over ``axis`` (``[b, t/n, d]`` with
+        ``token_dim=1``: Megatron-SP gathers the tokens first).
+      p: this device's fragments, every bias REQUIRED (use zeros for none):
+        ``query`` / ``key`` / ``value``: ``{"kernel": [d, h/n, k], "bias": [h/n, k]}``;
+        ``out``: ``{"kernel": [h/n, k, d], "bias": [d]}`` (the bias whole: it is added once,
+        after the reduction). Split over ``axis`` along the heads dim, as
+        ``vit_ref.param_axes`` names it ("heads").
+      axis: the tensor-parallel mesh axis, or None (no split: plain attention).
+      core: ``core(q, k, v) -> o`` on local heads, [b, t, h/n, k] each (plain, ring, Ulysses,
+        masked...). The 1/√k score scaling belongs to the core (``sequence.attention_local``
+        and the sequence-parallel cores apply it); nothing here scales.
+      dtype: compute dtype of the matmuls (None: the params' dtype).
+      token_dim: 1 for Megatron-SP (tokens split over ``axis`` outside the region).
+
+    Returns:
+      [b, t, d] (or [b, t/n, d] with ``token_dim``), invariant over ``axis``.
     """
     x = enter_tp(x, axis, token_dim=token_dim)
     q, k, v = (
@@ -118,6 +145,7 @@ def attention_tp(
     return dense_row(o, p["out"], "bthk,hkd->btd", axis, dtype, token_dim=token_dim)
 
 
+@shard_map_primitive
 def mlp_tp(
     x: Float[Array, "b t d"],
     p: Params,
@@ -129,8 +157,21 @@ def mlp_tp(
 ) -> Float[Array, "b t d"]:
     """Megatron MLP: ``x[B, T, D] · W1[D, F_X] -> act -> · W2[F_X, D] -> {U_X}`` -> reduced.
 
-    ``p`` holds ``fc1`` (column-parallel) and ``fc2`` (row-parallel) fragments; one reduction
-    per block forward (none between the two matmuls) and one backward.
+    One reduction per block forward (none between the two matmuls) and one backward.
+
+    Args:
+      x: local activations [b, t, d], invariant over ``axis`` ([b, t/n, d] with ``token_dim``).
+      p: this device's fragments, both biases REQUIRED (use zeros for none):
+        ``fc1``: ``{"kernel": [d, f/n], "bias": [f/n]}`` (column-parallel);
+        ``fc2``: ``{"kernel": [f/n, d], "bias": [d]}`` (row-parallel; the bias whole, added
+        once after the reduction).
+      axis: the tensor-parallel mesh axis, or None (no split).
+      activation: elementwise, e.g. ``jax.nn.gelu`` (applied to the local hidden block).
+      dtype: compute dtype of the matmuls (None: the params' dtype).
+      token_dim: 1 for Megatron-SP.
+
+    Returns:
+      [b, t, d] (or [b, t/n, d] with ``token_dim``), invariant over ``axis``.
     """
     x = enter_tp(x, axis, token_dim=token_dim)
     h = activation(dense_column(x, p["fc1"], "btd,df->btf", dtype))
