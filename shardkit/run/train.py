@@ -150,12 +150,13 @@ def compile_steps(
     model: ShardedViT, opts: TrainOptions, params: Any, opt_state: Any, optimizer: Any
 ) -> tuple[Callable[..., Any], Callable[..., Any], dict[str, float]]:
     """(train step, eval step, compile seconds), both compiled ahead of time for ``opts.batch``."""
-    cfg = model.cfg
-    images = jax.ShapeDtypeStruct((opts.batch, cfg.image, cfg.image, cfg.channels), jnp.float32)
-    labels = jax.ShapeDtypeStruct((opts.batch,), jnp.int32)
-    batch = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=model.sharding(model.batch_spec))
-             for a in (images, labels)]  # fmt: skip
-    valid = jax.ShapeDtypeStruct((opts.batch,), jnp.bool_, sharding=batch[1].sharding)
+    cfg, data = model.cfg, model.sharding(model.batch_spec)
+    shape = (opts.batch, cfg.image, cfg.image, cfg.channels)
+    batch = [
+        jax.ShapeDtypeStruct(shape, jnp.float32, sharding=data),
+        jax.ShapeDtypeStruct((opts.batch,), jnp.int32, sharding=data),
+    ]
+    valid = jax.ShapeDtypeStruct((opts.batch,), jnp.bool_, sharding=data)
     seconds = {}
     t0 = time.perf_counter()
     step: Any = model.train_step(optimizer, clip_norm=opts.clip)
@@ -204,7 +205,7 @@ def evaluate(
 
 @dataclasses.dataclass
 class Run:
-    """One training run's files and records (process 0 writes them)."""
+    """One training run's files and the records written so far."""
 
     out: pathlib.Path
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -222,6 +223,19 @@ def _finite_or_none(record: dict[str, Any]) -> dict[str, Any]:
     """JSON has no NaN: non-finite floats are written as null."""
     return {
         k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
+    }
+
+
+def run_config(
+    model: ShardedViT, opts: TrainOptions, ds: Dataset, loader: Loader
+) -> dict[str, Any]:
+    """What ``config.json`` records before the run starts (compile seconds join it later)."""
+    return {
+        "model": dataclasses.asdict(model.cfg),
+        "plan": dataclasses.asdict(model.plan) | {"mesh": format_mesh(model.plan.mesh)},
+        "options": dataclasses.asdict(opts),
+        "data": ds.describe() | {"steps_per_epoch": loader.steps_per_epoch},
+        "versions": versions(),
     }
 
 
@@ -247,14 +261,7 @@ def train(
     params = model.shard(vit_ref.init(jax.random.key(opts.seed), cfg))
     opt_state = model.init_opt_state(optimizer, params)
     run = Run(out)
-    config = {
-        "model": dataclasses.asdict(cfg),
-        "plan": dataclasses.asdict(plan) | {"mesh": format_mesh(plan.mesh)},
-        "options": dataclasses.asdict(opts),
-        "data": ds.describe() | {"steps_per_epoch": loader.steps_per_epoch},
-        "versions": versions(),
-        **(extra_config or {}),
-    }
+    config = run_config(model, opts, ds, loader) | (extra_config or {})
     run.write_config(config)
     step_fn, eval_step, config["compile_s"] = compile_steps(
         model, opts, params, opt_state, optimizer
