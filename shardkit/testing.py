@@ -7,18 +7,26 @@ per-query constant, so it is exactly zero analytically and float noise in both r
 it their "relative" error is noise over noise. A wrong leaf of ordinary size still shows an
 error of order 1.
 
+One call: ``compare_sharded(sharded, twin, params, *batch)`` compares the loss, every gradient
+leaf and one optimizer step (``comparison_optimizer``: AdamW with eps 1e-3, and why) of any
+sharded function against its unsharded twin, and names the worst leaf.
+
 Strategies (hypothesis) draw valid combinations: meshes as factorisations of 1..8 devices
-(3 and 6 included, axes of size 1 included), ViT configs small enough for CPU, and plans
-whose every divisibility constraint holds, so failures are real.
+(3 and 6 included, axes of size 1 included) — for any model with ``meshes_dividing`` (your
+dims, your axes) — and, for the ViT, configs small enough for CPU and plans whose every
+divisibility constraint holds, so failures are real.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+import optax
 from hypothesis import strategies as st
 
 import vit_ref
@@ -74,6 +82,107 @@ def assert_trees_close(
         )
 
 
+# ----------------------------------------------------------------------------- one call
+
+
+def comparison_optimizer() -> optax.GradientTransformation:
+    """AdamW with eps = 1e-3 (not optax's 1e-8), the optimizer ``compare_sharded`` steps with.
+
+    Some gradients are analytically zero (an attention key bias: softmax ignores a per-query
+    constant), so both runs hold only float32 rounding noise there, and Adam's first step,
+    lr · g / (|g| + eps), turns that noise into updates of up to ±lr that differ between any two
+    correct implementations. With eps = 1e-3 the noise moves those params by ~lr · 1e-5, while
+    real gradients still take at least half an Adam step, so a wrong or missing update remains
+    an error of order 1e-2 (measured on a ViT: step error 1.1e-6 with eps 1e-3, 1.1e-5 with
+    1e-4; see ``shardkit.run.verify``).
+    """
+    return optax.adamw(1e-3, eps=1e-3, weight_decay=1e-4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Per-leaf relative errors of a sharded function against its unsharded twin.
+
+    Attributes:
+      loss: the loss's relative error.
+      grads: every gradient leaf's error, keyed by path.
+      step: every param leaf's error after one ``comparison_optimizer`` step.
+      tol: the bound all of them must meet.
+    """
+
+    loss: float
+    grads: dict[str, float]
+    step: dict[str, float]
+    tol: float
+
+    @property
+    def worst(self) -> tuple[str, float]:
+        """(what, error) of the largest error, e.g. ``("grads['fc1']['kernel']", 3e-7)``."""
+        named = {"loss": self.loss}
+        named |= {f"grads{k}": v for k, v in self.grads.items()}
+        named |= {f"step{k}": v for k, v in self.step.items()}
+        return worst_leaf(named)
+
+    @property
+    def ok(self) -> bool:
+        return self.worst[1] <= self.tol
+
+    def assert_ok(self) -> None:
+        """AssertionError naming the worst leaf if any error exceeds ``tol``."""
+        what, err = self.worst
+        if err > self.tol:
+            raise AssertionError(
+                f"sharded != twin: {what} has relative error {err:.3g} > {self.tol:g}."
+            )
+
+
+def compare_sharded(
+    sharded: Callable[..., tuple[Any, PyTree]],
+    twin: Callable[..., Any],
+    params: PyTree,
+    *batch: Any,
+    place: Callable[[PyTree], PyTree] = lambda p: p,
+    optimizer: optax.GradientTransformation | None = None,
+    tol: float = 1e-5,
+    floor: float = DEFAULT_FLOOR,
+) -> Comparison:
+    """One call: a sharded ``(params, *batch) -> (loss, grads)`` against its unsharded twin.
+
+    Compares the loss, every gradient leaf, and the params after one optimizer step taken from
+    each side's gradients (``comparison_optimizer`` by default: read its docstring before
+    choosing another). Errors are per-leaf relative L2 with the ``floor`` of ``tree_errors``.
+
+    Args:
+      sharded: e.g. a jitted ``shard_map`` returning the loss and gradients shaped like params.
+      twin: the unsharded loss, ``twin(params, *batch) -> loss``.
+      params: the unsharded params (random, non-degenerate: a zero layer makes it vacuous).
+      *batch: the inputs, passed to both.
+      place: puts ``params`` on the mesh for ``sharded`` (e.g. ``device_put`` per spec).
+      optimizer: the step both sides take.
+      tol: fp32 bound 1e-5; loosen it (and say why) for bf16.
+      floor: see ``tree_errors``.
+
+    Returns:
+      A :class:`Comparison`; call ``.assert_ok()`` in a test.
+    """
+    want_loss, want_grads = jax.value_and_grad(twin)(params, *batch)
+    loss, grads = sharded(place(params), *batch)
+    grads = jax.device_get(grads)
+    optimizer = optimizer or comparison_optimizer()
+    state = optimizer.init(params)
+    with jax.numpy_dtype_promotion("standard"):  # optax is not strict-promotion clean
+        stepped = [
+            optax.apply_updates(params, optimizer.update(g, state, params)[0])
+            for g in (grads, want_grads)
+        ]
+    return Comparison(
+        loss=max_error(loss, want_loss, floor),
+        grads=tree_errors(grads, want_grads, floor),
+        step=tree_errors(stepped[0], stepped[1], floor),
+        tol=tol,
+    )
+
+
 # ----------------------------------------------------------------------------- strategies
 
 
@@ -91,6 +200,30 @@ def meshes(draw: st.DrawFn, max_devices: int = 8, axes: tuple[str, ...] = AXES) 
     """A mesh shape over 1..max_devices devices using only ``axes`` (others are 1)."""
     n = draw(st.integers(1, max_devices))
     sizes = draw(st.sampled_from(factorisations(n, len(axes))))
+    return {**dict.fromkeys(AXES, 1), **dict(zip(axes, sizes, strict=True))}
+
+
+@st.composite
+def meshes_dividing(
+    draw: st.DrawFn, dims: Mapping[str, Sequence[int]], max_devices: int = 8
+) -> dict[str, int]:
+    """A mesh over 1..max_devices devices whose every axis size divides the dims it splits.
+
+    ``dims`` maps an axis to the sizes it must divide, e.g. ``{"data": [batch], "model":
+    [heads, mlp_hidden], "seq": [tokens]}`` for your own model; axes not named stay 1. Works
+    for any model: the constraints are yours, not a ViT's.
+    """
+    axes = tuple(a for a in AXES if a in dims)
+    unknown = sorted(set(dims) - set(AXES))
+    if unknown:
+        raise ValueError(f"Unknown mesh axis {unknown[0]!r}; axes are {', '.join(AXES)}.")
+    choices = [
+        shape
+        for n in range(1, max_devices + 1)
+        for shape in factorisations(n, len(axes))
+        if all(d % size == 0 for axis, size in zip(axes, shape, strict=True) for d in dims[axis])
+    ]
+    sizes = draw(st.sampled_from(choices))
     return {**dict.fromkeys(AXES, 1), **dict(zip(axes, sizes, strict=True))}
 
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import Phase, find, given, settings
+from hypothesis import strategies as st
 
 import vit_ref
 from shardkit.mesh import AXES, Plan
@@ -21,6 +23,7 @@ from shardkit.testing import (
     factorisations,
     max_error,
     meshes,
+    meshes_dividing,
     sharded_cases,
     tree_errors,
     vit_configs,
@@ -186,3 +189,91 @@ def test_sharded_cases_reach_the_hard_cases() -> None:
     for name, (strategy, condition) in wanted.items():
         found = find(strategy, condition, settings=FIND)
         assert condition(found), name
+
+
+# ----------------------------------------------------------------------------- compare_sharded
+
+
+def _twin(p, x):
+    return jnp.sum(jnp.tanh(x @ p["w"] + p["b"][None]) ** 2) / x.shape[0]
+
+
+def _dp(scale: float = 1.0):
+    """A DP loss-and-grads on data=4 (``scale`` != 1 plants a bug in the gradients)."""
+    from jax.sharding import PartitionSpec as P
+
+    from shardkit import data as dp
+    from shardkit.mesh import make_mesh
+
+    axes = {"w": ("data",), "b": ("data",)}
+
+    def body(p, x):
+        def loss(p):
+            return jnp.sum(jnp.tanh(x @ p["w"] + p["b"][None]) ** 2) / (4 * x.shape[0])
+
+        value, grads = jax.value_and_grad(loss)(dp.vary(p, axes))
+        grads = jax.tree.map(lambda g: g * scale, dp.sync_grads(grads, axes))
+        return jax.lax.psum(value, "data"), grads
+
+    mesh = make_mesh({"data": 4})
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P())))
+
+
+def _params():
+    rng = np.random.default_rng(0)
+    p = {"w": rng.normal(size=(3, 2)), "b": rng.normal(size=2)}
+    return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), p), jnp.asarray(
+        rng.normal(size=(8, 3)), jnp.float32
+    )
+
+
+def test_compare_sharded_passes_a_correct_function_and_names_a_wrong_leaf() -> None:
+    from shardkit.testing import compare_sharded
+
+    params, x = _params()
+    good = compare_sharded(_dp(), _twin, params, x)
+    assert good.ok and good.worst[1] <= 1e-6 and set(good.grads) == {"['b']", "['w']"}
+    good.assert_ok()
+    bad = compare_sharded(_dp(scale=4.0), _twin, params, x)  # gradients 4x too large
+    assert not bad.ok and bad.grads["['w']"] == pytest.approx(3.0, rel=1e-5)
+    with pytest.raises(AssertionError, match=r"sharded != twin: grads\['.'\] has relative error"):
+        bad.assert_ok()
+
+
+def test_comparison_optimizer_keeps_rounding_noise_small() -> None:
+    """A leaf whose true gradient is 0: noise of 1e-9 on one side. Adam with eps 1e-8 turns it
+    into a step of ~lr/11 (a visible step error); eps 1e-3 keeps it ~lr·1e-6."""
+    import optax
+
+    from shardkit.testing import compare_sharded
+
+    params, x = _params()
+    params = {**params, "z": jnp.ones(4, jnp.float32)}  # the loss ignores z: gradient exactly 0
+
+    def twin(p, x):
+        return _twin(p, x) + 0.0 * jnp.sum(p["z"])
+
+    def noisy(p, x):
+        loss, grads = jax.value_and_grad(twin)(p, x)
+        return loss, {**grads, "z": jnp.full(4, 1e-9, jnp.float32)}
+
+    standard = compare_sharded(noisy, twin, params, x, optimizer=optax.adamw(1e-3))
+    chosen = compare_sharded(noisy, twin, params, x)
+    assert standard.step["['z']"] > 1e-5 > 1e-6 > chosen.step["['z']"]
+    assert chosen.ok and not standard.ok
+
+
+@given(
+    st.integers(1, 12).flatmap(
+        lambda batch: st.tuples(st.just(batch), meshes_dividing({"data": [batch], "model": [6]}))
+    )
+)
+def test_meshes_dividing_only_draws_meshes_that_divide(case) -> None:
+    batch, mesh = case
+    assert batch % mesh["data"] == 0 and 6 % mesh["model"] == 0 and mesh["seq"] == 1
+    assert math.prod(mesh.values()) <= 8
+
+
+def test_meshes_dividing_rejects_unknown_axes() -> None:
+    with pytest.raises(ValueError, match="Unknown mesh axis 'pipe'"):
+        find(meshes_dividing({"pipe": [2]}), lambda _: True)

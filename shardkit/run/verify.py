@@ -30,7 +30,7 @@ import vit_ref
 from shardkit.comm.report import model_report
 from shardkit.mesh import Plan, format_mesh
 from shardkit.models.vit import ShardedViT, check_plan
-from shardkit.testing import max_error
+from shardkit.testing import comparison_optimizer, max_error
 
 __all__ = [
     "Case",
@@ -48,7 +48,8 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2}
 
 
 def verify_optimizer() -> optax.GradientTransformation:
-    return optax.adamw(1e-3, eps=1e-3, weight_decay=1e-4)
+    """``testing.comparison_optimizer``: AdamW with eps 1e-3 (this module's docstring says why)."""
+    return comparison_optimizer()
 
 
 @dataclasses.dataclass(frozen=True)
