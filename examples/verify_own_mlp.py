@@ -4,8 +4,9 @@ A user's two-layer MLP, tensor-parallel over ``model`` (``tensor.mlp_tp``: W1 co
 W2 row-split, one all-reduce forward) and data-parallel over ``data`` (``data.vary`` +
 ``data.sync_grads``). Hypothesis draws the mesh (every factorisation of 1..8 devices into
 ``data × model``, sizes 1, 3 and 6 included) and the widths; each example checks the loss and
-every gradient leaf against the unsharded twin, and the compiled step's collectives against
-what the two strategies must send:
+every gradient leaf and one optimizer step against the unsharded twin
+(``testing.compare_sharded``), and the compiled step's collectives against the bytes the two
+strategies must send (``comm.contract.assert_contract``):
 
     python examples/verify_own_mlp.py [--examples 20]
 """
@@ -25,7 +26,8 @@ from hypothesis import strategies as st  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from shardkit import data, ledger, tensor, testing  # noqa: E402
+from shardkit import data, tensor, testing  # noqa: E402
+from shardkit.comm import contract  # noqa: E402
 
 # --8<-- [start:layout]
 # W1[D, F_model] column-parallel, W2[F_model, D] row-parallel; b2 added once, after the psum.
@@ -85,14 +87,20 @@ def check(shape, d, f, batch):
     testing.compare_sharded(fn, loss_twin, p, x, y, place=place).assert_ok()
     # --8<-- [end:compare]
     # --8<-- [start:contract]
-    # The contract: one all-reduce over model (mlp_tp's forward psum; its backward one would
-    # sum dx, which nothing here needs, so XLA drops it) and one bucketed all-reduce over data.
-    # (An axis of size 1 leaves a one-device all-reduce that sends nothing: axes == ().)
-    summary = ledger.measure(fn, place(p), x, y, mesh=mesh).summary()
-    counts = {key: t.count for key, t in summary.items() if key[1]}
-    want = {("all-reduce", ("model",)): 1} if shape["model"] > 1 else {}
-    want |= {("all-reduce", ("data",)): 1} if shape["data"] > 1 else {}
-    assert counts == want, (shape, counts)
+    # The contract, in bytes sent per device: mlp_tp's forward psum of the local output over
+    # model (its backward one would sum dx, which nothing here needs, so XLA drops it), and the
+    # gradients of every local leaf plus the loss in one bucketed all-reduce over data (XLA
+    # combines the buckets at the step's end). An axis of size 1 declares nothing.
+    n_data, n_model = shape["data"], shape["model"]
+    local_grads = (d * f + f + f * d) // n_model + d  # fc1 and fc2's kernel split, b2 whole
+    expected = []
+    if n_model > 1:
+        out_bytes = batch // n_data * 3 * d * 4
+        expected.append(contract.all_reduce("model", out_bytes, n_model, why="mlp_tp's psum"))
+    if n_data > 1:
+        grad_bytes = (local_grads + 1) * 4
+        expected.append(contract.all_reduce("data", grad_bytes, n_data, why="gradients + loss"))
+    contract.assert_contract(fn, place(p), x, y, expected=expected, mesh=mesh)
     # --8<-- [end:contract]
 
 

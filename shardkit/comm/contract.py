@@ -1,0 +1,151 @@
+"""Communication contracts for any program: declare the collectives a function must run, then
+hold its compiled HLO to them.
+
+``comm.cost`` derives the ViT's contract on paper; this module lets you write one for your own
+model. Declare each collective with the ring formulas (bytes SENT per device, DESIGN.md):
+
+  all_reduce(axes, V, n)       2(n−1)/n · V      V: the reduced array's bytes
+  all_gather(axes, V, n)       (n−1)/n · V       V: the gathered OUTPUT's bytes
+  reduce_scatter(axes, V, n)   (n−1)/n · V       V: the INPUT's bytes
+  all_to_all(axes, V, n)       (n−1)/n · V       V: the local block's bytes
+  permute(axes, V)             V                 V: the block each device sends
+
+each with a ``count`` (executions per call: a collective inside a ``scan`` of L steps counts L)
+and a reason. ``assert_contract(fn, *args, expected=[...])`` compiles ``fn``, measures it with
+``comm.ledger`` and raises an AssertionError listing every difference: per (kind, axes), the op
+counts must be equal and the bytes within ``rtol``, and any collective not declared — a stray
+all-gather from closing over a sharded array, an all-reduce autodiff inserted because a sync
+axis was forgotten — is a difference too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from shardkit.comm.cost import (
+    all_gather_bytes,
+    all_reduce_bytes,
+    all_to_all_bytes,
+    compare,
+    permute_bytes,
+    reduce_scatter_bytes,
+)
+from shardkit.comm.ledger import AnyMesh, Ledger, Tally, measure
+
+Axes = tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Expected:
+    """One declared collective (or ``count`` identical ones).
+
+    Attributes:
+      kind: a ``comm.ledger.KINDS`` name ("all-reduce", "all-gather", ...).
+      axes: the mesh axes its device groups span, in mesh order.
+      count: executions per call.
+      bytes_sent: bytes one device sends over all ``count`` executions.
+      why: what moves and why the program needs it.
+    """
+
+    kind: str
+    axes: Axes
+    count: int
+    bytes_sent: float
+    why: str = ""
+
+
+def _expected(kind: str, axes: str | Iterable[str], each: float, count: int, why: str) -> Expected:
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    return Expected(kind, names, count, count * each, why)
+
+
+def all_reduce(
+    axes: str | Iterable[str], v: float, n: int, count: int = 1, why: str = ""
+) -> Expected:
+    """``count`` all-reduces of ``v`` bytes over ``n`` devices: 2(n−1)/n · v each."""
+    return _expected("all-reduce", axes, all_reduce_bytes(v, n), count, why)
+
+
+def all_gather(
+    axes: str | Iterable[str], v: float, n: int, count: int = 1, why: str = ""
+) -> Expected:
+    """``count`` all-gathers producing ``v`` bytes over ``n`` devices: (n−1)/n · v each."""
+    return _expected("all-gather", axes, all_gather_bytes(v, n), count, why)
+
+
+def reduce_scatter(
+    axes: str | Iterable[str], v: float, n: int, count: int = 1, why: str = ""
+) -> Expected:
+    """``count`` reduce-scatters of a ``v``-byte input over ``n`` devices: (n−1)/n · v each."""
+    return _expected("reduce-scatter", axes, reduce_scatter_bytes(v, n), count, why)
+
+
+def all_to_all(
+    axes: str | Iterable[str], v: float, n: int, count: int = 1, why: str = ""
+) -> Expected:
+    """``count`` all-to-alls of ``v`` local bytes over ``n`` devices: (n−1)/n · v each."""
+    return _expected("all-to-all", axes, all_to_all_bytes(v, n), count, why)
+
+
+def permute(axes: str | Iterable[str], v: float, count: int = 1, why: str = "") -> Expected:
+    """``count`` collective-permutes of a ``v``-byte block: v each."""
+    return _expected("collective-permute", axes, permute_bytes(v), count, why)
+
+
+def summary(expected: Sequence[Expected]) -> dict[tuple[str, Axes], Tally]:
+    """(kind, axes) -> declared executions and bytes, as ``Ledger.summary()`` measures them."""
+    out: dict[tuple[str, Axes], Tally] = {}
+    for e in expected:
+        t = out.get((e.kind, e.axes), Tally(0, 0.0))
+        out[(e.kind, e.axes)] = Tally(t.count + e.count, t.bytes_sent + e.bytes_sent)
+    return out
+
+
+def differences(ledger: Ledger, expected: Sequence[Expected], rtol: float = 0.01) -> list[str]:
+    """One sentence per (kind, axes) where ``ledger`` breaks the contract; [] if it holds.
+
+    Collectives whose groups hold one device (an axis of size 1) send nothing and are ignored.
+    """
+    measured = {key: t for key, t in ledger.summary().items() if key[1]}
+    return compare(summary(expected), measured, rtol)
+
+
+def format_diff(ledger: Ledger, expected: Sequence[Expected]) -> str:
+    """Declared vs measured, one row per (kind, axes), the rows that differ marked ✗."""
+    want, got = summary(expected), {k: t for k, t in ledger.summary().items() if k[1]}
+    lines = [f"{'collective':<20}{'axes':<20}{'count':>7}{'declared':>10}{'bytes':>14}"
+             f"{'declared':>14}"]  # fmt: skip
+    for key in sorted(set(want) | set(got)):
+        w, g = want.get(key, Tally(0, 0.0)), got.get(key, Tally(0, 0.0))
+        mark = "✓" if not compare({key: w}, {key: g}) else "✗"
+        lines.append(
+            f"{key[0]:<20}{','.join(key[1]):<20}{g.count:>7}{w.count:>10}"
+            f"{g.bytes_sent:>14,.0f}{w.bytes_sent:>14,.0f}  {mark}"
+        )
+    return "\n".join(lines)
+
+
+def assert_contract(
+    fn: Callable[..., Any],
+    *args: Any,
+    expected: Sequence[Expected],
+    mesh: AnyMesh | None = None,
+    rtol: float = 0.01,
+) -> Ledger:
+    """Compiles ``fn(*args)``, holds its collectives to ``expected``; returns the ledger.
+
+    Raises:
+      AssertionError: the differences, one per line, then the declared-vs-measured table.
+    """
+    ledger = measure(fn, *args, mesh=mesh)
+    problems = differences(ledger, expected, rtol)
+    if problems:
+        raise AssertionError(
+            "communication contract broken:\n  "
+            + "\n  ".join(problems)
+            + "\n"
+            + format_diff(ledger, expected)
+        )
+    return ledger

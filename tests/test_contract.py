@@ -1,0 +1,60 @@
+"""Contracts for any program (``shardkit.comm.contract``): declared collectives, checked against
+the compiled HLO, with a readable diff when they differ."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardkit.comm import contract
+from shardkit.mesh import make_mesh
+
+MESH = make_mesh({"data": 4, "model": 2})
+
+
+def test_helpers_use_the_ring_formulas() -> None:
+    assert contract.all_reduce("data", 800, 4).bytes_sent == 1200
+    assert contract.all_gather(("data", "model"), 800, 8, count=3).bytes_sent == 3 * 700
+    assert contract.reduce_scatter("model", 800, 2).bytes_sent == 400
+    assert contract.all_to_all("seq", 800, 4).bytes_sent == 600
+    assert contract.permute("seq", 800, count=2) == contract.Expected(
+        "collective-permute", ("seq",), 2, 1600
+    )
+
+
+def _row_sum():
+    """x[B_data, D_model] -> psum over model of the row sums: one all-reduce of [B/4] floats."""
+    body = lambda x: jax.lax.psum(x.sum(axis=1), "model")  # noqa: E731
+    return jax.jit(jax.shard_map(body, mesh=MESH, in_specs=P("data", "model"), out_specs=P("data")))
+
+
+X = jax.device_put(np.ones((8, 6), np.float32), NamedSharding(MESH, P("data", "model")))
+
+
+def test_a_declared_program_holds() -> None:
+    expected = [contract.all_reduce("model", 2 * 4, 2, why="row sums")]  # [B/4 = 2] float32
+    ledger = contract.assert_contract(_row_sum(), X, expected=expected)
+    assert contract.differences(ledger, expected) == []
+
+
+def test_a_stray_collective_and_wrong_bytes_are_listed() -> None:
+    sharded_whole = jax.device_put(np.ones((8, 6), np.float32), NamedSharding(MESH, P("data")))
+
+    def stray(x, w):  # w arrives split over data, but the body reads it whole: XLA gathers it
+        inner = lambda x: jax.lax.psum(x.sum(axis=1), "model") + w.sum()  # noqa: E731
+        return jax.shard_map(inner, mesh=MESH, in_specs=P("data", "model"), out_specs=P("data"))(x)
+
+    declared = [contract.all_reduce("model", 2 * 4, 2)]
+    with pytest.raises(AssertionError) as err:
+        contract.assert_contract(jax.jit(stray), X, sharded_whole, expected=declared)
+    text = str(err.value)
+    assert text.startswith("communication contract broken:")
+    assert "all-gather over data: 1 ops measured, 0 expected." in text
+    assert "✗" in text and "✓" in text  # the table marks each row
+    wrong = [contract.all_reduce("model", 4 * 4, 2)]  # declared twice the bytes
+    message = r"all-reduce over model: 8 bytes measured, 16 expected"
+    with pytest.raises(AssertionError, match=message):
+        contract.assert_contract(_row_sum(), X, expected=wrong)
