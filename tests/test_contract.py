@@ -4,6 +4,7 @@ the compiled HLO, with a readable diff when they differ."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
@@ -11,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardkit.comm import contract
 from shardkit.mesh import make_mesh
+from shardkit.parallel import data as dp
 
 MESH = make_mesh({"data": 4, "model": 2})
 
@@ -58,3 +60,62 @@ def test_a_stray_collective_and_wrong_bytes_are_listed() -> None:
     message = r"all-reduce over model: 8 bytes measured, 16 expected"
     with pytest.raises(AssertionError, match=message):
         contract.assert_contract(_row_sum(), X, expected=wrong)
+
+
+def _token_sharded_grads(sync_axes: tuple[str, ...]):
+    """w used on x[B_data, T_seq]: its gradient is a partial sum over data AND seq."""
+    mesh = make_mesh({"data": 2, "seq": 2})
+    axes = {"w": sync_axes}
+
+    def body(p, x):
+        def loss(p):
+            return jnp.sum(jnp.tanh(x @ p["w"]))
+
+        grads = jax.grad(loss)(dp.vary(p, axes))
+        return dp.sync_grads(grads, axes)
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data", "seq")), out_specs=P()))
+    return fn, mesh
+
+
+def test_a_forgotten_sync_axis_fails_no_implicit_collectives() -> None:
+    """The second silent mistake: sync over data but not seq. Values stay right (autodiff sums
+    over seq itself), but that sum is an implicit all-reduce the contract refuses."""
+    params = {"w": np.ones((3, 2), np.float32)}
+    x = np.ones((4, 6, 3), np.float32)
+    good, mesh = _token_sharded_grads(("data", "seq"))
+    ledger = contract.assert_contract(
+        good, params, x, expected=[contract.all_reduce(("data", "seq"), 6 * 4, 4)], mesh=mesh
+    )
+    assert {c.origin for c in ledger.collectives} == {"written"}
+    bad, _ = _token_sharded_grads(("data",))
+    with pytest.raises(AssertionError) as err:
+        contract.assert_contract(
+            bad, params, x, expected=[contract.all_reduce("data", 6 * 4, 2)], mesh=mesh
+        )
+    assert "implicit all-reduce over seq: autodiff's transpose of a check_vma implicit cast " in (
+        str(err.value)
+    )
+    assert "test_contract.py:" in str(err.value)  # the source line of the implicit broadcast
+    lenient = contract.assert_contract(
+        bad, params, x, mesh=mesh, implicit_ok=True,
+        expected=[contract.all_reduce("data", 6 * 4, 2), contract.all_reduce("seq", 6 * 4, 2)],
+    )  # fmt: skip
+    assert [c.origin for c in lenient.implicit()] == ["implicit"]
+
+
+def test_the_sharded_vits_steps_have_no_implicit_collectives() -> None:
+    import vit_ref
+    from shardkit.comm import report
+    from shardkit.mesh import Plan
+
+    cfg = vit_ref.ViTConfig(
+        image=8, patch=2, channels=1, classes=10, dim=32, depth=2, heads=4, mlp_dim=64,
+        pool="tok", head_zeroinit=False,
+    )  # fmt: skip
+    plans = [Plan({"data": 4, "model": 2}), Plan({"data": 2, "seq": 2, "model": 2}, sp="ring",
+             fsdp=True), Plan({"data": 2, "seq": 4}, sp="ulysses")]  # fmt: skip
+    for plan in plans:
+        ledger = report.inspect(cfg, plan, 8).ledger
+        assert ledger.implicit() == [], (plan, ledger.implicit())
+        assert {c.origin for c in ledger.collectives} <= {"written", "transpose"}

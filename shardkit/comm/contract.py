@@ -15,7 +15,9 @@ and a reason. ``assert_contract(fn, *args, expected=[...])`` compiles ``fn``, me
 ``comm.ledger`` and raises an AssertionError listing every difference: per (kind, axes), the op
 counts must be equal and the bytes within ``rtol``, and any collective not declared — a stray
 all-gather from closing over a sharded array, an all-reduce autodiff inserted because a sync
-axis was forgotten — is a difference too.
+axis was forgotten — is a difference too. By default a contract also says "no implicit
+collectives": an all-reduce that autodiff inserted as the transpose of a cast ``check_vma``
+made implicitly (``Collective.origin``) fails it, naming the source line.
 """
 
 from __future__ import annotations
@@ -103,13 +105,26 @@ def summary(expected: Sequence[Expected]) -> dict[tuple[str, Axes], Tally]:
     return out
 
 
-def differences(ledger: Ledger, expected: Sequence[Expected], rtol: float = 0.01) -> list[str]:
+def differences(
+    ledger: Ledger, expected: Sequence[Expected], rtol: float = 0.01, implicit_ok: bool = False
+) -> list[str]:
     """One sentence per (kind, axes) where ``ledger`` breaks the contract; [] if it holds.
 
     Collectives whose groups hold one device (an axis of size 1) send nothing and are ignored.
+    Unless ``implicit_ok``, every collective autodiff inserted for an implicit ``check_vma``
+    cast (``Collective.origin == "implicit"``) is a difference too, with its source line: it
+    means a reduction the program does not say it makes.
     """
     measured = {key: t for key, t in ledger.summary().items() if key[1]}
-    return compare(summary(expected), measured, rtol)
+    problems = compare(summary(expected), measured, rtol)
+    if not implicit_ok:
+        problems += [
+            f"implicit {c.kind} over {','.join(c.axes)}: autodiff's transpose of a check_vma "
+            f"implicit cast at {c.source} (a forgotten data.vary or sync axis?)."
+            for c in ledger.implicit()
+            if c.axes
+        ]
+    return problems
 
 
 def format_diff(ledger: Ledger, expected: Sequence[Expected]) -> str:
@@ -133,14 +148,16 @@ def assert_contract(
     expected: Sequence[Expected],
     mesh: AnyMesh | None = None,
     rtol: float = 0.01,
+    implicit_ok: bool = False,
 ) -> Ledger:
-    """Compiles ``fn(*args)``, holds its collectives to ``expected``; returns the ledger.
+    """Compiles ``fn(*args)``, holds its collectives to ``expected`` (and, unless
+    ``implicit_ok``, to "no implicit collectives"; see ``differences``); returns the ledger.
 
     Raises:
       AssertionError: the differences, one per line, then the declared-vs-measured table.
     """
     ledger = measure(fn, *args, mesh=mesh)
-    problems = differences(ledger, expected, rtol)
+    problems = differences(ledger, expected, rtol, implicit_ok)
     if problems:
         raise AssertionError(
             "communication contract broken:\n  "

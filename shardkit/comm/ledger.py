@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import linecache
 import math
 import re
 from collections.abc import Callable, Iterable
@@ -120,6 +121,29 @@ class Collective:
         """Bytes one device sends over all executions in one call: ``bytes_sent * count``."""
         return self.bytes_sent * self.count
 
+    @property
+    def origin(self) -> str:
+        """Where it comes from (``ORIGINS``), read from the HLO metadata.
+
+        "written": a collective the traced program calls (forward, or a hand-written backward);
+        "transpose": autodiff's transpose of a collective, or of an explicit varying cast
+        (``pcast`` / ``pvary``: Megatron f, ``data.vary``); "implicit": autodiff's transpose of a
+        cast JAX inserted itself — ``check_vma``'s implicit broadcast of an invariant value into
+        a varying computation, at ``source`` — usually a forgotten ``data.vary`` or sync axis.
+        A transposed all-reduce whose source line is unknown counts as "transpose".
+        """
+        if "transpose(" not in self.op_name:
+            return "written"
+        if self.kind != "all-reduce" or not self.source:
+            return "transpose"
+        file, _, line = self.source.rpartition(":")
+        text = linecache.getline(file, int(line)) if line.isdigit() else ""
+        return "transpose" if not text or any(c in text for c in _CASTS) else "implicit"
+
+
+ORIGINS = ("written", "transpose", "implicit")
+_CASTS = ("pcast", "pvary")  # an explicit varying cast on the source line: intended transpose
+
 
 @dataclasses.dataclass(frozen=True)
 class Memory:
@@ -174,6 +198,10 @@ class Ledger:
             for c in self.collectives
             if (kind is None or c.kind == kind) and (want is None or c.axes == want)
         ]
+
+    def implicit(self) -> list[Collective]:
+        """The collectives autodiff inserted for ``check_vma``'s implicit casts (``origin``)."""
+        return [c for c in self.collectives if c.origin == "implicit"]
 
     def summary(self) -> dict[tuple[str, tuple[str, ...]], Tally]:
         """(kind, axes) -> executions per call and bytes sent per device (bytes x count)."""
@@ -276,16 +304,20 @@ def _flops(compiled: Any) -> float | None:
 
 
 def format_table(ledger: Ledger) -> str:
-    """A plain-text table: one row per (kind, axes, group size), then totals and memory."""
-    rows: dict[tuple[str, tuple[str, ...], int], Tally] = {}
+    """A plain-text table: one row per (kind, axes, group size, origin), then totals and memory."""
+    rows: dict[tuple[str, tuple[str, ...], int, str], Tally] = {}
     for c in ledger.collectives:
-        key = (c.kind, c.axes, c.group_size)
+        key = (c.kind, c.axes, c.group_size, c.origin)
         rows[key] = rows.get(key, Tally(0, 0.0)).add(c)
-    header = f"{'collective':<20}{'axes':<18}{'group':>6}{'count':>8}{'bytes sent':>16}"
+    header = (
+        f"{'collective':<20}{'axes':<18}{'group':>6}{'count':>8}{'bytes sent':>16}  origin"
+    )
     lines = [header, "-" * len(header)]
-    for (kind, axes, group), t in sorted(rows.items()):
+    for (kind, axes, group, origin), t in sorted(rows.items()):
         axes_text = ",".join(axes) or "-"
-        lines.append(f"{kind:<20}{axes_text:<18}{group:>6}{t.count:>8}{t.bytes_sent:>16,.0f}")
+        lines.append(
+            f"{kind:<20}{axes_text:<18}{group:>6}{t.count:>8}{t.bytes_sent:>16,.0f}  {origin}"
+        )
     total = ledger.total_bytes_sent()
     lines.append("-" * len(header))
     lines.append(f"{'total per device':<44}{sum(t.count for t in rows.values()):>8}{total:>16,.0f}")
