@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 
 import vit_ref
 from shardkit.mesh import AXES, Plan
+from shardkit.parallel.data import optax_update
 
 PyTree = Any
 DEFAULT_FLOOR = 1e-2
@@ -170,11 +171,7 @@ def compare_sharded(
     grads = jax.device_get(grads)
     optimizer = optimizer or comparison_optimizer()
     state = optimizer.init(params)
-    with jax.numpy_dtype_promotion("standard"):  # optax is not strict-promotion clean
-        stepped = [
-            optax.apply_updates(params, optimizer.update(g, state, params)[0])
-            for g in (grads, want_grads)
-        ]
+    stepped = [optax_update(optimizer, g, state, params)[0] for g in (grads, want_grads)]
     return Comparison(
         loss=max_error(loss, want_loss, floor),
         grads=tree_errors(grads, want_grads, floor),

@@ -105,6 +105,11 @@ def summary(expected: Sequence[Expected]) -> dict[tuple[str, Axes], Tally]:
     return out
 
 
+def _measured(ledger: Ledger) -> dict[tuple[str, Axes], Tally]:
+    """The ledger's summary without one-device groups (an axis of size 1 sends nothing)."""
+    return {key: t for key, t in ledger.summary().items() if key[1]}
+
+
 def differences(
     ledger: Ledger, expected: Sequence[Expected], rtol: float = 0.01, implicit_ok: bool = False
 ) -> list[str]:
@@ -115,8 +120,7 @@ def differences(
     cast (``Collective.origin == "implicit"``) is a difference too, with its source line: it
     means a reduction the program does not say it makes.
     """
-    measured = {key: t for key, t in ledger.summary().items() if key[1]}
-    problems = compare(summary(expected), measured, rtol)
+    problems = compare(summary(expected), _measured(ledger), rtol)
     if not implicit_ok:
         problems += [
             f"implicit {c.kind} over {','.join(c.axes)}: autodiff's transpose of a check_vma "
@@ -129,7 +133,7 @@ def differences(
 
 def format_diff(ledger: Ledger, expected: Sequence[Expected]) -> str:
     """Declared vs measured, one row per (kind, axes), the rows that differ marked ✗."""
-    want, got = summary(expected), {k: t for k, t in ledger.summary().items() if k[1]}
+    want, got = summary(expected), _measured(ledger)
     lines = [f"{'collective':<20}{'axes':<20}{'count':>7}{'declared':>10}{'bytes':>14}"
              f"{'declared':>14}"]  # fmt: skip
     for key in sorted(set(want) | set(got)):
