@@ -137,7 +137,7 @@ def closing_step(model: ShardedViT, optimizer):
         def local(p, images_local, labels_local):
             # BUG: `images` is the outer, data-sharded array, not this device's block.
             centred = images_local - images.mean()
-            return model._loss_and_grads_local(p, centred, labels_local)
+            return model.loss_and_grads_local(p, centred, labels_local)
 
         specs = (model.specs, model.batch_spec, model.batch_spec)
         grad_fn = jax.shard_map(

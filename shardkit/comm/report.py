@@ -33,7 +33,8 @@ import vit_ref
 from shardkit.comm import cost
 from shardkit.comm.ledger import KINDS, Ledger, Tally, measure
 from shardkit.mesh import Plan, format_mesh, make_mesh
-from shardkit.models.vit import ShardedViT, check_plan, opt_state_layout, param_specs
+from shardkit.models.sharded import opt_state_layout
+from shardkit.models.vit import ShardedViT, check_plan, param_specs
 from vit_ref.train import apply_optimizer
 
 Key = tuple[str, tuple[str, ...]]

@@ -37,33 +37,31 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
 import vit_ref
 from shardkit.mesh import Plan, PlanError, format_mesh, logical_specs, make_mesh
+from shardkit.models import sharded
 from shardkit.parallel import data as dp
 from shardkit.parallel import sequence as sp
 from shardkit.parallel.tensor import attention_tp, mlp_tp
 from vit_ref import model as ref
-from vit_ref.train import apply_optimizer
 
 Params = dict[str, Any]
 AttentionCore = Callable[[Array, Array, Array], Array]
 
 # Logical axis -> mesh axis. "embed" goes to data only under FSDP (see ``rules``).
 RULES: dict[str, str] = {"heads": "model", "mlp": "model"}
+# The leaves used only after the token reduction (pooling): their gradients are whole.
+TOKEN_FREE = ("head",)
 
 
 def rules(plan: Plan) -> dict[str, str]:
     """The logical-to-mesh axis table for ``plan``; axes of size 1 split nothing."""
     table = {**RULES, "embed": "data"} if plan.fsdp else dict(RULES)
     return {name: axis for name, axis in table.items() if plan.size(axis) > 1}
-
-
-def _is_names(x: Any) -> bool:
-    return isinstance(x, tuple)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -172,16 +170,6 @@ def param_specs(cfg: vit_ref.ViTConfig, plan: Plan) -> Params:
     return logical_specs(vit_ref.param_axes(cfg), rules(plan))
 
 
-def _fsdp_dims(axes_tree: Params, plan: Plan, drop_leading: int = 0) -> Params:
-    """Per leaf: the dim FSDP splits (the "embed" dim), or None."""
-    on = plan.fsdp and plan.size("data") > 1
-
-    def dim(names: tuple[str | None, ...]) -> int | None:
-        return names.index("embed") - drop_leading if on and "embed" in names else None
-
-    return jax.tree.map(dim, axes_tree, is_leaf=_is_names)
-
-
 def grad_sync_axes(cfg: vit_ref.ViTConfig, plan: Plan, lay: Layout) -> Params:
     """Per leaf: the mesh axes its gradient is a partial sum over, all-reduced by ``sync_grads``.
 
@@ -189,41 +177,9 @@ def grad_sync_axes(cfg: vit_ref.ViTConfig, plan: Plan, lay: Layout) -> Params:
     every leaf used on token shards (all but the head, which sees pooled features) unless the
     leaf is already split over that axis.
     """
-    fsdp = plan.fsdp and plan.size("data") > 1
-    specs = param_specs(cfg, plan)
-
-    def axes(path: tuple[Any, ...], spec: P) -> tuple[str, ...]:
-        used = {a for a in spec if a}
-        out = [] if (fsdp and "data" in used) or plan.size("data") == 1 else ["data"]
-        if path[0].key != "head":
-            out += [a for a in lay.token_axes if a not in used]
-        return tuple(out)
-
-    return jax.tree_util.tree_map_with_path(axes, specs, is_leaf=lambda x: isinstance(x, P))
-
-
-def opt_state_layout(
-    optimizer: optax.GradientTransformation,
-    params: Any,
-    specs: Params,
-    sharding: Callable[[P], NamedSharding],
-) -> tuple[Any, Any]:
-    """(shapes, shardings) of ``optimizer``'s state: param-shaped leaves split like their param.
-
-    ``params`` may be arrays or shapes; leaves that are not param-shaped (step counts) are
-    replicated.
-    """
-    with jax.numpy_dtype_promotion("standard"):  # optax is not strict-promotion clean
-        shapes = jax.eval_shape(optimizer.init, params)
-    shardings = optax.tree_map_params(
-        optimizer,
-        lambda _, spec: sharding(spec),
-        shapes,
-        specs,
-        transform_non_params=lambda _: sharding(P()),
-        is_leaf=lambda x: isinstance(x, P),
+    return sharded.grad_sync_axes(
+        param_specs(cfg, plan), lay.mesh, ("data",), lay.token_axes, TOKEN_FREE
     )
-    return shapes, shardings
 
 
 # ----------------------------------------------------------------------------- per device
@@ -289,7 +245,7 @@ def _encoder_local(
     x: Array, blocks: Params, cfg: vit_ref.ViTConfig, plan: Plan, lay: Layout
 ) -> Array:
     """lax.scan over the stacked layers; FSDP gathers each layer's weights inside the body."""
-    dims = _fsdp_dims(vit_ref.param_axes(cfg)["blocks"], plan, drop_leading=1)
+    dims = sharded.gather_dims(param_specs(cfg, plan)["blocks"], "data", drop_leading=1)
     key_valid = None  # sequence-parallel attention masks padding by position (num_valid)
     if lay.token_axes == ("model",) and lay.padded:  # Megatron-SP attends over all tokens
         key_valid = jnp.arange(lay.padded_tokens) < lay.num_tokens
@@ -320,9 +276,9 @@ def _logits_local(
     params: Params, images: Array, cfg: vit_ref.ViTConfig, plan: Plan, lay: Layout
 ) -> Array:
     """logits[B_data, O] from local params (FSDP fragments gathered here) and local images."""
-    axes = vit_ref.param_axes(cfg)
+    specs = param_specs(cfg, plan)
     outer = {k: v for k, v in params.items() if k != "blocks"}
-    outer = dp.fsdp_gather(outer, _fsdp_dims({k: axes[k] for k in outer}, plan))
+    outer = dp.fsdp_gather(outer, sharded.gather_dims({k: specs[k] for k in outer}, "data"))
     x = _embed_local(outer, images, cfg, lay)
     x = _encoder_local(x, params["blocks"], cfg, plan, lay)
     pooled = _pool_local(ref.layer_norm(x, outer["encoder_norm"]), cfg, lay)
@@ -333,24 +289,33 @@ def _logits_local(
 # ----------------------------------------------------------------------------- public
 
 
-class ShardedViT:
+class ShardedViT(sharded.ShardedModel):
     """``vit_ref``'s ViT run by hand on a mesh: place params, forward, gradients, train step.
 
     ``model = ShardedViT(cfg, plan)``; ``params = model.shard(vit_ref.init(key, cfg))``;
     ``model.forward(params, images)``; ``model.loss_and_grads(params, images, labels)``;
     ``model.train_step(optimizer)`` returns a jitted step with params and optimizer state
     donated. Compiled functions are built once per instance and shared.
+
+    A ``sharded.ShardedModel`` like any user's: vit_ref's logical axes, ``rules(plan)``, the
+    layout's token axes, the head token-free (it sees pooled features), and a per-device
+    cross-entropy over the global batch; the ViT adds the plan checks and ``forward``.
     """
 
     def __init__(self, cfg: vit_ref.ViTConfig, plan: Plan, devices: Any = None) -> None:
         self.cfg, self.plan = cfg, plan
         self.layout = make_layout(cfg, plan, devices)
-        self.mesh = self.layout.mesh
-        self.specs = param_specs(cfg, plan)
-        self.sync_axes = grad_sync_axes(cfg, plan, self.layout)
         # Size-1 axes split nothing and appear in no spec (so no value is typed varying on them).
         self.batch_spec = P("data") if plan.size("data") > 1 else P()
-        self._steps: dict[tuple[Any, float | None], Callable[..., Any]] = {}
+        super().__init__(
+            self.layout.mesh,
+            vit_ref.param_axes(cfg),
+            rules(plan),
+            self._loss_local,
+            batch_specs=(self.batch_spec, self.batch_spec),
+            token_axes=self.layout.token_axes,
+            token_free=TOKEN_FREE,
+        )
 
     def __repr__(self) -> str:
         return (
@@ -358,30 +323,12 @@ class ShardedViT:
             f"fsdp={self.plan.fsdp}, remat={self.plan.remat})"
         )
 
-    def sharding(self, spec: P) -> NamedSharding:
-        return NamedSharding(self.mesh, spec)
-
-    def shard(self, params: Params) -> Params:
-        """Places a copy of a ``vit_ref.init`` pytree on the mesh, each leaf split per its spec.
-
-        Always a copy (never aliasing ``params``' buffers), so donating the result to
-        ``train_step`` leaves the caller's arrays alive.
-        """
-        # An explicit copy: device_put(may_alias=False) still reuses a source buffer that already
-        # lives on a target device (measured on jax 0.10.2), and donation would then delete it.
-        shardings = jax.tree.map(self.sharding, self.specs)
-        return jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings)(params)
-
-    def shard_batch(self, *arrays: Array) -> tuple[Array, ...]:
-        """Splits arrays along their first (batch) dim over ``data``."""
-        self.check_batch(arrays[0].shape[0])
-        return tuple(jax.device_put(a, self.sharding(self.batch_spec)) for a in arrays)
-
     def check_batch(self, batch: int) -> None:
         check_plan(self.cfg, self.plan, batch)
 
-    def _shard_map(self, body: Callable[..., Any], in_specs: Any, out_specs: Any) -> Any:
-        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+    def check_inputs(self, *batch: Any) -> None:
+        self.check_batch(batch[0].shape[0])
+        super().check_inputs(*batch)
 
     @functools.cached_property
     def forward(self) -> Callable[[Params, Array], Array]:
@@ -390,86 +337,11 @@ class ShardedViT:
         def body(params: Params, images: Array) -> Array:
             return _logits_local(params, images, self.cfg, self.plan, self.layout)
 
-        return jax.jit(self._shard_map(body, (self.specs, self.batch_spec), self.batch_spec))
+        return jax.jit(self.shard_map(body, (self.specs, self.batch_spec), self.batch_spec))
 
-    def _loss_and_grads_local(self, params: Params, images: Array, labels: Array):
+    def _loss_local(self, params: Params, images: Array, labels: Array) -> Array:
+        """This device's share of the mean cross-entropy: its images' sum / the global batch."""
         global_batch = images.shape[0] * self.mesh.shape["data"]
-
-        def loss_local(p: Params) -> Array:
-            logits = _logits_local(p, images, self.cfg, self.plan, self.layout)
-            ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-            return ce.sum() / global_batch
-
-        # Cast params varying over the axes their gradients are partial sums over, so autodiff
-        # leaves those sums alone and sync_grads reduces them explicitly, bucketed.
-        loss, grads = jax.value_and_grad(loss_local)(dp.vary(params, self.sync_axes))
-        grads = dp.sync_grads(grads, self.sync_axes)
-        if self.mesh.shape["data"] > 1:
-            # The loss value (for logging): sum of the per-shard means.
-            loss = jax.lax.psum(loss, "data")
-        return loss, grads
-
-    @functools.cached_property
-    def _loss_and_grads_map(self) -> Callable[[Params, Array, Array], tuple[Array, Params]]:
-        in_specs = (self.specs, self.batch_spec, self.batch_spec)
-        return self._shard_map(self._loss_and_grads_local, in_specs, (P(), self.specs))
-
-    @functools.cached_property
-    def loss_and_grads(self) -> Callable[[Params, Array, Array], tuple[Array, Params]]:
-        """Jitted ``(params, images, labels) -> (loss, grads)``; grads are sharded like params."""
-        return jax.jit(self._loss_and_grads_map)
-
-    def init_opt_state(self, optimizer: optax.GradientTransformation, params: Params) -> Any:
-        """The optimizer state, each param-shaped leaf sharded like its param."""
-        _, shardings = opt_state_layout(optimizer, params, self.specs, self.sharding)
-        return jax.jit(optimizer.init, out_shardings=shardings)(params)
-
-    @functools.cached_property
-    def split_axes(self) -> Params:
-        """Per param leaf, the mesh axes its spec splits it over (for ``data.global_norm``)."""
-        return jax.tree.map(
-            lambda spec: tuple(a for a in spec if a), self.specs, is_leaf=lambda x: isinstance(x, P)
-        )
-
-    @property
-    def reduce_axes(self) -> tuple[str, ...]:
-        """The mesh axes of size > 1: the group a whole-model reduction (the norm) spans."""
-        return tuple(a for a, n in self.mesh.shape.items() if n > 1)
-
-    def _clipped_grads_local(self, clip_norm: float, params: Params, images: Array, labels: Array):
-        loss, grads = self._loss_and_grads_local(params, images, labels)
-        norm = dp.global_norm(grads, self.split_axes, self.reduce_axes)
-        return loss, dp.clip_by_norm(grads, norm, clip_norm), norm
-
-    def _grads_map(self, clip_norm: float | None) -> Callable[..., Any]:
-        """shard_map of (params, images, labels) -> (loss, grads[, grad_norm])."""
-        if clip_norm is None:
-            return self._loss_and_grads_map
-        in_specs = (self.specs, self.batch_spec, self.batch_spec)
-        body = functools.partial(self._clipped_grads_local, clip_norm)
-        return self._shard_map(body, in_specs, (P(), self.specs, P()))
-
-    def train_step(
-        self, optimizer: optax.GradientTransformation, clip_norm: float | None = None
-    ) -> Callable[..., Any]:
-        """Jitted ``(params, opt_state, images, labels) -> (params, opt_state, metrics)``.
-
-        params and opt_state are donated. ``metrics`` holds ``loss``; with ``clip_norm`` also
-        ``grad_norm``, the global gradient norm computed inside the shard_map from the sharded
-        gradients (``data.global_norm``: one scalar all-reduce per set of split axes), and the
-        gradients are clipped to it as ``optax.clip_by_global_norm(clip_norm)`` would
-        (``float("inf")`` reports the norm and never clips). The update is elementwise on
-        arrays sharded like their params, so it adds no communication.
-        """
-        key = (optimizer, clip_norm)  # the optimizer is kept alive by the cache: never confused
-        if key not in self._steps:
-            grad_fn = self._grads_map(clip_norm)
-
-            def step(params: Params, opt_state: Any, images: Array, labels: Array):
-                loss, grads, *norm = grad_fn(params, images, labels)
-                params, opt_state = apply_optimizer(optimizer, grads, opt_state, params)
-                metrics = {"loss": loss} | ({"grad_norm": norm[0]} if norm else {})
-                return params, opt_state, metrics
-
-            self._steps[key] = jax.jit(step, donate_argnums=(0, 1))
-        return self._steps[key]
+        logits = _logits_local(params, images, self.cfg, self.plan, self.layout)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        return ce.sum() / global_batch

@@ -1,0 +1,362 @@
+"""Any model on a mesh: specs, gradient sync, optimizer layout and a train step, derived.
+
+The generic layer under every sharded model here (``ShardedViT`` is one user of it). You give:
+
+  param_axes   per param leaf, a tuple of logical names per dim, e.g. ``("embed", "mlp")``;
+  rules        logical name -> mesh axis, e.g. ``{"mlp": "model", "heads": "model"}``
+               (add ``"embed": "data"`` for FSDP);
+  loss_local   ``(params_local, *batch_local) -> share``: this device's share of the loss,
+               run inside ``shard_map`` on the local blocks of params and batch;
+  batch_specs  one ``PartitionSpec`` per batch input (default: dim 0 over ``batch_axes``);
+  token_axes   the mesh axes your forward splits tokens over (sequence parallelism);
+  token_free   path prefixes of the leaves used only after tokens are reduced (a classifier
+               head after pooling), whose gradients are therefore whole on every token shard.
+
+and get, per leaf, its ``PartitionSpec``, the axes its gradient is a partial sum over
+(``sync_axes``), the dim FSDP gathers (``gather_dims``), the optimizer state sharded like the
+params, a divisibility check that names the leaf, and a jitted, donated train step.
+
+The loss convention: the global loss is the sum of the devices' shares over the mesh axes the
+share is typed varying over (``check_vma``'s type, read at trace time) — divide by the
+*global* batch (and token count) inside ``loss_local``. A share that is invariant over an axis
+(a classifier's loss after pooling over ``seq``) is counted once, not n times.
+
+Gradients (all collectives visible, none implicit): each leaf is cast varying over its
+``sync_axes`` before autodiff (``data.vary``), so autodiff leaves those partial sums alone, and
+``data.sync_grads`` all-reduces them once per bucket. A leaf split over a batch axis (FSDP) is
+gathered by your ``loss_local`` with ``data.fsdp_gather(p, model.gather_dims(...))`` and its
+gradient arrives reduce-scattered (the transpose), so it is not synced there.
+
+Mistakes and what catches them: a leaf used on token shards but listed in ``token_free`` makes
+``check_vma`` insert one implicit all-reduce per use — ``comm.contract.assert_contract`` refuses
+implicit collectives by default; a leaf listed as used on token shards that is not (its
+gradient already whole) is summed n times over — ``testing.compare_sharded`` names it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array
+
+from shardkit.mesh import PlanError, logical_specs
+from shardkit.parallel import data as dp
+
+PyTree = Any
+Axes = tuple[str, ...]
+LossLocal = Callable[..., Array]
+
+
+def _is_names(x: Any) -> bool:
+    return isinstance(x, tuple)
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+def _spec_axes(spec: P) -> Axes:
+    """The mesh axes a spec splits over, in dim order (a dim may name several)."""
+    out: list[str] = []
+    for entry in spec:
+        out += [entry] if isinstance(entry, str) else list(entry or ())
+    return tuple(out)
+
+
+def _padded(spec: P, ndim: int) -> tuple[Any, ...]:
+    """The spec's entries, one per dim (a spec may name fewer dims than the array has)."""
+    return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def leaf_path(path: tuple[Any, ...]) -> str:
+    """``"blocks/mlp/fc1/kernel"`` for a pytree key path (the form ``token_free`` matches)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+# ----------------------------------------------------------------------------- derivations
+
+
+def mesh_rules(rules: Mapping[str, str], mesh: Mesh) -> dict[str, str]:
+    """``rules`` restricted to mesh axes of size > 1 (a size-1 axis splits nothing).
+
+    Raises:
+      PlanError: a rule names an axis the mesh lacks.
+    """
+    for name, axis in rules.items():
+        if axis not in mesh.shape:
+            raise PlanError(
+                f"Rule {name!r} -> {axis!r} names a mesh axis this mesh lacks "
+                f"(axes: {', '.join(mesh.axis_names)})."
+            )
+    return {name: axis for name, axis in rules.items() if mesh.shape[axis] > 1}
+
+
+def check_divisible(shapes: PyTree, specs: PyTree, axes_tree: PyTree, mesh: Mesh) -> None:
+    """Raises PlanError naming the first leaf whose split dim is not divisible by its axes.
+
+    ``shapes`` holds arrays or anything with ``.shape``; ``specs`` and ``axes_tree`` match it.
+    """
+    flat_specs = jax.tree.leaves(specs, is_leaf=_is_spec)
+    flat_names = jax.tree.leaves(axes_tree, is_leaf=_is_names)
+    flat_shapes = jax.tree_util.tree_leaves_with_path(shapes)
+    if not len(flat_shapes) == len(flat_specs) == len(flat_names):
+        raise PlanError(
+            f"The params have {len(flat_shapes)} leaves but param_axes names {len(flat_names)}: "
+            "give one tuple of logical names per leaf."
+        )
+    for (path, leaf), spec, names in zip(flat_shapes, flat_specs, flat_names, strict=True):
+        shape = tuple(leaf.shape)
+        if len(names) != len(shape):
+            raise PlanError(
+                f"Param {leaf_path(path)} has {len(shape)} dims {shape} but param_axes names "
+                f"{len(names)}: {names}."
+            )
+        for dim, (size, entry) in enumerate(zip(shape, _padded(spec, len(shape)), strict=True)):
+            axes = _spec_axes(P(entry))
+            n = math.prod(mesh.shape[a] for a in axes)
+            if size % n:
+                split = "×".join(f"{a}={mesh.shape[a]}" for a in axes)
+                raise PlanError(
+                    f"Param {leaf_path(path)} dim {dim} ({names[dim]}, size {size}) is not "
+                    f"divisible by {split}."
+                )
+
+
+def grad_sync_axes(
+    specs: PyTree,
+    mesh: Mesh,
+    batch_axes: Axes = ("data",),
+    token_axes: Axes = (),
+    token_free: Sequence[str] = (),
+) -> PyTree:
+    """Per leaf, the mesh axes (size > 1) its gradient is a partial sum over.
+
+    Every batch axis the leaf is not split over (a leaf split over one — FSDP — gets its
+    gradient reduce-scattered by the transpose of its gather), and every token axis the leaf is
+    not split over unless its path starts with one of ``token_free``.
+    """
+    big = {a for a, n in mesh.shape.items() if n > 1}
+
+    def axes(path: tuple[Any, ...], spec: P) -> Axes:
+        split = set(_spec_axes(spec))
+        out = [a for a in batch_axes if a in big] if not split & set(batch_axes) else []
+        name = leaf_path(path)
+        if not any(name == f or name.startswith(f + "/") for f in token_free):
+            out += [a for a in token_axes if a in big and a not in split]
+        return tuple(out)
+
+    return jax.tree_util.tree_map_with_path(axes, specs, is_leaf=_is_spec)
+
+
+def gather_dims(specs: PyTree, axis: str = "data", drop_leading: int = 0) -> PyTree:
+    """Per leaf, the dim split over ``axis`` (FSDP's), or None: ``data.fsdp_gather``'s input.
+
+    ``drop_leading`` shifts the dims for leaves indexed inside a ``lax.scan`` over a stacked
+    leading axis (the per-layer slice has one dim fewer).
+    """
+
+    def dim(spec: P) -> int | None:
+        for i, entry in enumerate(spec):
+            if axis in _spec_axes(P(entry)):
+                return i - drop_leading
+        return None
+
+    return jax.tree.map(dim, specs, is_leaf=_is_spec)
+
+
+def opt_state_layout(
+    optimizer: optax.GradientTransformation,
+    params: PyTree,
+    specs: PyTree,
+    sharding: Callable[[P], NamedSharding],
+) -> tuple[Any, Any]:
+    """(shapes, shardings) of ``optimizer``'s state: param-shaped leaves split like their param.
+
+    ``params`` may be arrays or shapes; leaves that are not param-shaped (step counts) are
+    replicated.
+    """
+    with jax.numpy_dtype_promotion("standard"):  # optax is not strict-promotion clean
+        shapes = jax.eval_shape(optimizer.init, params)
+    shardings = optax.tree_map_params(
+        optimizer,
+        lambda _, spec: sharding(spec),
+        shapes,
+        specs,
+        transform_non_params=lambda _: sharding(P()),
+        is_leaf=_is_spec,
+    )
+    return shapes, shardings
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class ShardedModel:
+    """A user's model on ``mesh``: place params, loss and gradients, a donated train step.
+
+    ``model = ShardedModel(mesh, param_axes, rules, loss_local, token_axes=("seq",))``;
+    ``params = model.shard(params)``; ``model.loss_and_grads(params, *batch)``;
+    ``model.train_step(optimizer, clip_norm=1.0)(params, opt_state, *batch)``. Compiled
+    functions are built once per instance and shared. See the module docstring for what each
+    argument means and which mistakes are caught where.
+    """
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        param_axes: PyTree,
+        rules: Mapping[str, str],
+        loss_local: LossLocal,
+        *,
+        batch_specs: Sequence[P] | None = None,
+        batch_axes: Axes = ("data",),
+        token_axes: Axes = (),
+        token_free: Sequence[str] = (),
+    ) -> None:
+        missing = [a for a in (*batch_axes, *token_axes) if a not in mesh.shape]
+        if missing:
+            raise PlanError(
+                f"Axis {missing[0]!r} is not in the mesh (axes: {', '.join(mesh.axis_names)})."
+            )
+        self.mesh, self.param_axes, self.loss_local = mesh, param_axes, loss_local
+        self.rules = mesh_rules(rules, mesh)
+        self.specs = logical_specs(param_axes, self.rules)
+        self.batch_axes = tuple(a for a in batch_axes if mesh.shape[a] > 1)
+        self.token_axes = tuple(token_axes)
+        default = P(self.batch_axes) if self.batch_axes else P()
+        self.batch_specs = tuple(batch_specs) if batch_specs is not None else (default,)
+        self.sync_axes = grad_sync_axes(self.specs, mesh, batch_axes, token_axes, token_free)
+        self._steps: dict[tuple[Any, float | None], Callable[..., Any]] = {}
+
+    def sharding(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    def gather_dims(self, subtree: str | None = None, drop_leading: int = 0) -> PyTree:
+        """``gather_dims`` of the specs (or of ``specs[subtree]``) over the batch axis."""
+        specs = self.specs if subtree is None else self.specs[subtree]
+        axis = self.batch_axes[0] if self.batch_axes else "data"
+        return gather_dims(specs, axis, drop_leading)
+
+    def check_params(self, params: PyTree) -> None:
+        """PlanError naming the leaf, dim and axis if a split dim does not divide."""
+        check_divisible(params, self.specs, self.param_axes, self.mesh)
+
+    def check_inputs(self, *batch: Any) -> None:
+        """PlanError naming the input and dim if a batch input does not divide its spec."""
+        if len(batch) != len(self.batch_specs):
+            raise PlanError(
+                f"{len(batch)} batch inputs given, {len(self.batch_specs)} batch_specs declared."
+            )
+        for i, (x, spec) in enumerate(zip(batch, self.batch_specs, strict=True)):
+            for dim, entry in enumerate(spec):
+                axes = _spec_axes(P(entry))
+                n = math.prod(self.mesh.shape[a] for a in axes)
+                if x.shape[dim] % n:
+                    split = "×".join(f"{a}={self.mesh.shape[a]}" for a in axes)
+                    raise PlanError(
+                        f"Batch input {i} dim {dim} (size {x.shape[dim]}) is not divisible by "
+                        f"{split}."
+                    )
+
+    def shard(self, params: PyTree) -> PyTree:
+        """Places a copy of ``params`` on the mesh, each leaf split per its spec (checked first).
+
+        Always a copy (never aliasing ``params``' buffers), so donating the result to
+        ``train_step`` leaves the caller's arrays alive.
+        """
+        self.check_params(params)
+        # An explicit copy: device_put(may_alias=False) still reuses a source buffer that already
+        # lives on a target device (measured on jax 0.10.2), and donation would then delete it.
+        shardings = jax.tree.map(self.sharding, self.specs, is_leaf=_is_spec)
+        return jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings)(params)
+
+    def shard_batch(self, *arrays: Array) -> tuple[Array, ...]:
+        """Places each batch input per its spec (checked first)."""
+        self.check_inputs(*arrays)
+        pairs = zip(arrays, self.batch_specs, strict=True)
+        return tuple(jax.device_put(a, self.sharding(s)) for a, s in pairs)
+
+    def shard_map(self, body: Callable[..., Any], in_specs: Any, out_specs: Any) -> Any:
+        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+
+    # ------------------------------------------------------------------------- per device
+
+    def loss_and_grads_local(self, params: PyTree, *batch: Array) -> tuple[Array, PyTree]:
+        """Inside shard_map: (global loss, synced gradients sharded like params)."""
+        # Cast params varying over the axes their gradients are partial sums over, so autodiff
+        # leaves those sums alone and sync_grads reduces them explicitly, bucketed.
+        share, grads = jax.value_and_grad(self.loss_local)(dp.vary(params, self.sync_axes), *batch)
+        grads = dp.sync_grads(grads, self.sync_axes)
+        varying = dp.varying_axes(share)
+        axes = tuple(a for a in self.mesh.axis_names if a in varying)
+        # The loss value (for logging): the sum of the shares over the axes they differ on.
+        return (jax.lax.psum(share, axes) if axes else share), grads
+
+    @property
+    def split_axes(self) -> PyTree:
+        """Per param leaf, the mesh axes its spec splits it over (for ``data.global_norm``)."""
+        return jax.tree.map(_spec_axes, self.specs, is_leaf=_is_spec)
+
+    @property
+    def reduce_axes(self) -> Axes:
+        """The mesh axes of size > 1: the group a whole-model reduction (the norm) spans."""
+        return tuple(a for a, n in self.mesh.shape.items() if n > 1)
+
+    def clipped_grads_local(self, clip_norm: float, params: PyTree, *batch: Array):
+        """Inside shard_map: (loss, gradients clipped to ``clip_norm``, global gradient norm)."""
+        loss, grads = self.loss_and_grads_local(params, *batch)
+        norm = dp.global_norm(grads, self.split_axes, self.reduce_axes)
+        return loss, dp.clip_by_norm(grads, norm, clip_norm), norm
+
+    # ------------------------------------------------------------------------- compiled
+
+    def _grads_map(self, clip_norm: float | None) -> Callable[..., Any]:
+        """shard_map of (params, *batch) -> (loss, grads[, grad_norm])."""
+        in_specs = (self.specs, *self.batch_specs)
+        if clip_norm is None:
+            return self.shard_map(self.loss_and_grads_local, in_specs, (P(), self.specs))
+        body = functools.partial(self.clipped_grads_local, clip_norm)
+        return self.shard_map(body, in_specs, (P(), self.specs, P()))
+
+    @functools.cached_property
+    def loss_and_grads(self) -> Callable[..., tuple[Array, PyTree]]:
+        """Jitted ``(params, *batch) -> (loss, grads)``; grads are sharded like params."""
+        return jax.jit(self._grads_map(None))
+
+    def init_opt_state(self, optimizer: optax.GradientTransformation, params: PyTree) -> Any:
+        """The optimizer state, each param-shaped leaf sharded like its param."""
+        _, shardings = opt_state_layout(optimizer, params, self.specs, self.sharding)
+        return jax.jit(optimizer.init, out_shardings=shardings)(params)
+
+    def train_step(
+        self, optimizer: optax.GradientTransformation, clip_norm: float | None = None
+    ) -> Callable[..., Any]:
+        """Jitted ``(params, opt_state, *batch) -> (params, opt_state, metrics)``.
+
+        params and opt_state are donated. ``metrics`` holds ``loss``; with ``clip_norm`` also
+        ``grad_norm``, the global gradient norm computed inside the shard_map from the sharded
+        gradients (``data.global_norm``: one scalar all-reduce over every axis of size > 1),
+        and the gradients are clipped to it as ``optax.clip_by_global_norm(clip_norm)`` would
+        (``float("inf")`` reports the norm and never clips). The update is elementwise on
+        arrays sharded like their params, so it adds no communication.
+        """
+        key = (optimizer, clip_norm)  # the optimizer is kept alive by the cache: never confused
+        if key not in self._steps:
+            grad_fn = self._grads_map(clip_norm)
+
+            def step(params: PyTree, opt_state: Any, *batch: Array):
+                loss, grads, *norm = grad_fn(params, *batch)
+                params, opt_state = dp.optax_update(optimizer, grads, opt_state, params)
+                metrics = {"loss": loss} | ({"grad_norm": norm[0]} if norm else {})
+                return params, opt_state, metrics
+
+            self._steps[key] = jax.jit(step, donate_argnums=(0, 1))
+        return self._steps[key]
