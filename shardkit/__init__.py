@@ -3,7 +3,8 @@
 Layers (each imports only the ones below it; primitives assume no particular model):
   mesh         CPU devices, ``data × seq × model`` meshes, the ``Plan``
   parallel/    collectives, tensor, sequence, data: primitives for shard_map bodies
-  models/      vit: ``ShardedViT``, vit_ref's model on any plan, same params pytree
+  models/      sharded: ``ShardedModel``, any model's specs, sync, optimizer layout and
+               train step from logical axes; vit: ``ShardedViT``, vit_ref's model on it
   comm/        ledger (collectives measured from compiled HLO), cost, report, plot
   run/         verify (sharded == reference), train
   testing      tree comparison and hypothesis strategies for your own models
@@ -28,7 +29,8 @@ from shardkit.mesh import (
     parse_mesh,
     set_cpu_devices,
 )
-from shardkit.models import vit
+from shardkit.models import sharded, vit
+from shardkit.models.sharded import ShardedModel
 from shardkit.models.vit import ShardedViT, check_plan
 from shardkit.parallel import collectives, data, sequence, tensor
 from shardkit.parallel.collectives import (
@@ -71,6 +73,7 @@ __all__ = [
     "SP_MODES",
     "Plan",
     "PlanError",
+    "ShardedModel",
     "ShardedViT",
     "all_gather",
     "all_reduce",
@@ -94,4 +97,5 @@ __all__ = [
     "ring_reduce_scatter",
     "ring_shift",
     "set_cpu_devices",
+    "sharded",
 ]

@@ -107,3 +107,14 @@ def test_train_vit_learns_digits() -> None:
 def test_verify_own_mlp_property_test_passes() -> None:
     out = ok_output(run_example("verify_own_mlp.py", "--examples", "8"))
     assert re.search(r"^8 examples on meshes of \[[\d, ]+\] devices: sharded == twin$", out, re.M)
+
+
+def test_shard_own_model() -> None:
+    """The "shard your own model" page's program: verified, contract-checked, then it learns."""
+    out = ok_output(run_example("shard_own_model.py", "--steps", "60"))
+    worst = float(re.search(rf"sharded == twin: worst \S+ at ({NUMBER})", out).group(1))
+    assert worst <= TOL, out
+    assert "contract holds" in out
+    last = float(re.findall(rf"step\s+60\s+loss ({NUMBER})", out)[0])
+    zero = float(re.search(rf"predicting 0 everywhere: loss ({NUMBER})", out).group(1))
+    assert last < 0.6 * zero, out  # it learned the sequence means, not just to output ~0

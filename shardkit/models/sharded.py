@@ -10,7 +10,11 @@ The generic layer under every sharded model here (``ShardedViT`` is one user of 
   batch_specs  one ``PartitionSpec`` per batch input (default: dim 0 over ``batch_axes``);
   token_axes   the mesh axes your forward splits tokens over (sequence parallelism);
   token_free   path prefixes of the leaves used only after tokens are reduced (a classifier
-               head after pooling), whose gradients are therefore whole on every token shard.
+               head after pooling), whose gradients are therefore whole on every token shard;
+  gather       FSDP (a rule maps a name to a batch axis): True all-gathers every split leaf
+               before ``loss_local`` runs; False leaves it to ``loss_local``
+               (``data.fsdp_gather(p, model.gather_dims(...))`` one layer at a time, as
+               ``ShardedViT`` does, so only one layer's weights are ever whole).
 
 and get, per leaf, its ``PartitionSpec``, the axes its gradient is a partial sum over
 (``sync_axes``), the dim FSDP gathers (``gather_dims``), the optimizer state sharded like the
@@ -24,8 +28,9 @@ share is typed varying over (``check_vma``'s type, read at trace time) — divid
 Gradients (all collectives visible, none implicit): each leaf is cast varying over its
 ``sync_axes`` before autodiff (``data.vary``), so autodiff leaves those partial sums alone, and
 ``data.sync_grads`` all-reduces them once per bucket. A leaf split over a batch axis (FSDP) is
-gathered by your ``loss_local`` with ``data.fsdp_gather(p, model.gather_dims(...))`` and its
-gradient arrives reduce-scattered (the transpose), so it is not synced there.
+all-gathered before use (``data.fsdp_gather``) and its
+gradient arrives reduce-scattered (the transpose), so it is not synced there; with
+``gather=True`` the layer does that gather for you, for every leaf at once.
 
 Mistakes and what catches them: a leaf used on token shards but listed in ``token_free`` makes
 ``check_vma`` insert one implicit all-reduce per use — ``comm.contract.assert_contract`` refuses
@@ -220,6 +225,7 @@ class ShardedModel:
         batch_axes: Axes = ("data",),
         token_axes: Axes = (),
         token_free: Sequence[str] = (),
+        gather: bool = True,
     ) -> None:
         missing = [a for a in (*batch_axes, *token_axes) if a not in mesh.shape]
         if missing:
@@ -234,6 +240,7 @@ class ShardedModel:
         default = P(self.batch_axes) if self.batch_axes else P()
         self.batch_specs = tuple(batch_specs) if batch_specs is not None else (default,)
         self.sync_axes = grad_sync_axes(self.specs, mesh, batch_axes, token_axes, token_free)
+        self.gather = gather
         self._steps: dict[tuple[Any, float | None], Callable[..., Any]] = {}
 
     def sharding(self, spec: P) -> NamedSharding:
@@ -289,11 +296,19 @@ class ShardedModel:
 
     # ------------------------------------------------------------------------- per device
 
+    def _loss_gathered(self, params: PyTree, *batch: Array) -> Array:
+        """``loss_local`` on params whose FSDP-split leaves are whole (if ``gather``)."""
+        if self.gather and self.batch_axes:
+            params = dp.fsdp_gather(params, self.gather_dims(), self.batch_axes[0])
+        return self.loss_local(params, *batch)
+
     def loss_and_grads_local(self, params: PyTree, *batch: Array) -> tuple[Array, PyTree]:
         """Inside shard_map: (global loss, synced gradients sharded like params)."""
         # Cast params varying over the axes their gradients are partial sums over, so autodiff
         # leaves those sums alone and sync_grads reduces them explicitly, bucketed.
-        share, grads = jax.value_and_grad(self.loss_local)(dp.vary(params, self.sync_axes), *batch)
+        share, grads = jax.value_and_grad(self._loss_gathered)(
+            dp.vary(params, self.sync_axes), *batch
+        )
         grads = dp.sync_grads(grads, self.sync_axes)
         varying = dp.varying_axes(share)
         axes = tuple(a for a in self.mesh.axis_names if a in varying)

@@ -315,6 +315,7 @@ class ShardedViT(sharded.ShardedModel):
             batch_specs=(self.batch_spec, self.batch_spec),
             token_axes=self.layout.token_axes,
             token_free=TOKEN_FREE,
+            gather=False,  # one layer at a time, inside the scan
         )
 
     def __repr__(self) -> str:

@@ -1,0 +1,119 @@
+"""A non-ViT model on the generic layer (``ShardedModel``), as the "shard your own model" page.
+
+``examples/shard_own_model.py``'s encoder (ring attention over seq, TP over model, DP over
+data) on meshes hypothesis draws from the model's own dims: one-call verification against its
+plain-jnp twin and the user-written contract of its clipped train step. Then the generic
+layer's own errors: each names the leaf, the dim, the axis, and the mistakes it exists to catch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import jax
+import optax
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import shardkit
+from shardkit import PlanError, ShardedModel, testing
+from shardkit.comm import contract
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location(
+    "shard_own_model", ROOT / "examples" / "shard_own_model.py"
+)
+own = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(own)
+
+LAYERS, D_IN = 2, 3
+
+
+@st.composite
+def cases(draw):
+    heads, batch = draw(st.sampled_from([2, 4])), draw(st.sampled_from([2, 4]))
+    tokens, mlp = draw(st.sampled_from([4, 6, 8])), draw(st.sampled_from([8, 12]))
+    shape = draw(testing.meshes_dividing({"data": [batch], "seq": [tokens], "model": [heads, mlp]}))
+    return shape, dict(batch=batch, tokens=tokens, dim=4 * heads, heads=heads, mlp=mlp)
+
+
+def build(shape, d, rules=None):
+    mesh = shardkit.make_mesh(shape)
+    model = own.sharded_model(mesh)
+    if rules is not None:
+        model = ShardedModel(mesh, own.param_axes(LAYERS), rules, model.loss_local,
+                             batch_specs=model.batch_specs, token_axes=("seq",))  # fmt: skip
+    params = own.init(0, D_IN, d["dim"], d["heads"], d["mlp"], LAYERS)
+    return mesh, model, params, own.batch_of(1, d["batch"], d["tokens"], D_IN)
+
+
+@given(cases())
+def test_own_model_equals_twin_and_keeps_its_contract(case):
+    shape, d = case
+    with jax.numpy_rank_promotion("allow"):  # the user's code broadcasts biases like numpy
+        mesh, model, params, (x, y) = build(shape, d)
+        testing.compare_sharded(model.loss_and_grads, own.twin_loss, params, x, y,
+                                place=model.shard).assert_ok()  # fmt: skip
+        optimizer = optax.adamw(1e-3)
+        step = model.train_step(optimizer, clip_norm=1.0)
+        p = model.shard(params)
+        local = own.local_param_count(model, params)
+        want = own.expected_collectives(mesh, d["batch"], d["tokens"], d["dim"], d["heads"],
+                                        LAYERS, local)  # fmt: skip
+        if model.reduce_axes:
+            want.append(contract.all_reduce(model.reduce_axes, 4, mesh.size, 1, "norm"))
+        state = model.init_opt_state(optimizer, p)
+        contract.assert_contract(step, p, state, *model.shard_batch(x, y), expected=want)
+
+
+def test_fsdp_rule_gathers_for_the_user():
+    """``"embed": "data"`` splits every embed dim over data; gather=True makes them whole."""
+    shape, d = {"data": 2, "seq": 2, "model": 2}, dict(batch=4, tokens=4, dim=8, heads=2, mlp=8)
+    with jax.numpy_rank_promotion("allow"):
+        _, model, params, (x, y) = build(shape, d, {**own.RULES, "embed": "data"})
+        assert model.specs["embed"]["kernel"] == P(None, "data")
+        assert model.sync_axes["embed"]["kernel"] == ("seq",)  # reduce-scattered over data
+        testing.compare_sharded(model.loss_and_grads, own.twin_loss, params, x, y,
+                                place=model.shard).assert_ok()  # fmt: skip
+
+
+def test_a_leaf_wrongly_token_free_is_an_implicit_collective():
+    """Declaring the readout token-free (it is used on every token shard) makes check_vma
+    reduce its gradient implicitly: the values stay right, the contract refuses it."""
+    shape, d = {"data": 1, "seq": 2, "model": 1}, dict(batch=2, tokens=4, dim=8, heads=2, mlp=8)
+    with jax.numpy_rank_promotion("allow"):
+        mesh, model, params, (x, y) = build(shape, d)
+        wrong = ShardedModel(mesh, own.param_axes(LAYERS), own.RULES, model.loss_local,
+                             batch_specs=model.batch_specs, token_axes=("seq",),
+                             token_free=("readout",))  # fmt: skip
+        assert wrong.sync_axes["readout"]["kernel"] == ()
+        testing.compare_sharded(wrong.loss_and_grads, own.twin_loss, params, x, y,
+                                place=wrong.shard).assert_ok()  # fmt: skip
+        with pytest.raises(AssertionError, match=r"implicit all-reduce over seq"):
+            contract.assert_contract(wrong.loss_and_grads, wrong.shard(params), x, y,
+                                     expected=[], mesh=mesh)  # fmt: skip
+
+
+def test_errors_name_the_leaf_dim_and_axis():
+    mesh = shardkit.make_mesh({"data": 2, "seq": 1, "model": 4})
+    with jax.numpy_rank_promotion("allow"):
+        params = own.init(0, D_IN, 6, 2, 8, LAYERS)  # 2 heads over model=4
+        model = ShardedModel(mesh, own.param_axes(LAYERS), own.RULES, lambda p, x, y: 0.0)
+        with pytest.raises(PlanError, match=r"^Param blocks/attn/key/bias dim 1 \(heads, "
+                           r"size 2\) is not divisible by model=4\.$"):  # fmt: skip
+            model.shard(params)
+        with pytest.raises(PlanError, match=r"Batch input 0 dim 0 \(size 3\) is not divisible "
+                           r"by data=2\."):  # fmt: skip
+            model.check_inputs(jax.numpy.zeros((3, 4)))
+        with pytest.raises(PlanError, match=r"Rule 'mlp' -> 'modle' names a mesh axis"):
+            ShardedModel(mesh, own.param_axes(LAYERS), {"mlp": "modle"}, lambda p: 0.0)
+        with pytest.raises(PlanError, match=r"Axis 'sequence' is not in the mesh"):
+            ShardedModel(mesh, own.param_axes(LAYERS), {}, lambda p: 0.0,
+                         token_axes=("sequence",))  # fmt: skip
+        short = {"w": ("embed",)}
+        with pytest.raises(PlanError, match=r"The params have 1 leaves but param_axes names 1"
+                           r"|has 2 dims"):  # fmt: skip
+            ShardedModel(mesh, short, {}, lambda p: 0.0).shard({"w": jax.numpy.zeros((2, 2))})
