@@ -56,6 +56,7 @@ class Case:
     mask: str  # "none", "random" or "empty_row" (one batch row with no valid key)
     seed: int
     key_chunk: int | None = None  # most keys per chunk in ring hops (ring, usp)
+    causal: bool = False  # query i sees keys 0..i (global positions)
 
 
 @st.composite
@@ -74,6 +75,7 @@ def cases(draw: st.DrawFn, mode: str) -> Case:
         seed=draw(st.integers(0, 2**16)),
         # Small chunks split a hop's keys into several, padded ones (None: one chunk here).
         key_chunk=None if mode == "ulysses" else draw(st.sampled_from((None, 1, 2, 3))),
+        causal=draw(st.booleans()),
     )
 
 
@@ -98,8 +100,10 @@ def make_inputs(case: Case, scale: float = 1.0, dtype: type = np.float32) -> tup
     )
 
 
-def reference_attention(q, k, v, key_valid=None):
+def reference_attention(q, k, v, key_valid=None, causal=False):
     """Unsharded twin: vit_ref attention plus lse; rows with no valid key give 0 and MASK."""
+    if causal:
+        return causal_reference(q, k, v, key_valid)
     scale = q.shape[-1] ** -0.5
     logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) * scale
     out = attention_core(q, k, v, key_valid)
@@ -109,6 +113,21 @@ def reference_attention(q, k, v, key_valid=None):
     has_key = key_valid.any(-1)
     lse = jnp.where(has_key[:, None, None], jax.nn.logsumexp(logits, axis=-1), MASK_VALUE)
     return out * has_key[:, None, None, None].astype(out.dtype), lse
+
+
+def causal_reference(q, k, v, key_valid=None):
+    """Dense causal softmax attention on the whole sequence, written out in plain jnp."""
+    t, s = q.shape[1], k.shape[1]
+    allowed = jnp.arange(t)[:, None] >= jnp.arange(s)[None, :]  # [t, s]
+    allowed = allowed[None, None] & (True if key_valid is None else key_valid[:, None, None, :])
+    logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32)
+    logits = jnp.where(allowed, logits * q.shape[-1] ** -0.5, -jnp.inf)
+    has_key = allowed.any(-1)  # [b, 1, t]
+    safe = jnp.where(has_key[..., None], logits, 0.0)
+    probs = jnp.where(allowed, jax.nn.softmax(safe, axis=-1, where=allowed), 0.0)
+    out = jnp.einsum("bhqs,bshk->bqhk", probs, v)
+    lse = jnp.where(has_key, jax.nn.logsumexp(safe, axis=-1, where=allowed), MASK_VALUE)
+    return out, jnp.broadcast_to(lse, (q.shape[0], q.shape[2], t))
 
 
 def outputs_and_grads(attn, q, k, v, w_out, w_lse) -> tuple:
@@ -142,10 +161,11 @@ def check_against_reference(mode: str, case: Case) -> None:
         key_valid=valid,
         ulysses=case.ulysses,
         key_chunk=case.key_chunk,
+        causal=case.causal,
     )
     got = outputs_and_grads(sharded, q, k, v, w_out, w_lse)
     want = outputs_and_grads(
-        lambda q, k, v: reference_attention(q, k, v, valid), q, k, v, w_out, w_lse
+        lambda q, k, v: reference_attention(q, k, v, valid, case.causal), q, k, v, w_out, w_lse
     )
     got, want = (jax.device_get(x) for x in (got, want))
     np.testing.assert_array_equal(got[1] == MASK_VALUE, want[1] == MASK_VALUE)
@@ -162,12 +182,15 @@ def check_against_reference(mode: str, case: Case) -> None:
 @example(case=Case(1, 1, 1, 3, 1, 4, "empty_row", 6))  # n = 1: no communication
 @example(case=Case(8, 1, 2, 37, 2, 8, "empty_row", 12, key_chunk=2))  # 3 chunks, 1 key padded
 @example(case=Case(1, 1, 2, 13, 2, 4, "none", 13, key_chunk=5))  # no mask but padded chunks
+@example(case=Case(4, 1, 2, 13, 2, 4, "random", 5, key_chunk=2, causal=True))  # causal, padded
+@example(case=Case(8, 1, 1, 5, 2, 4, "empty_row", 7, causal=True))  # causal, empty blocks
 def test_ring_matches_reference(case: Case) -> None:
     check_against_reference("ring", case)
 
 
 @given(case=cases("ulysses"))
 @example(case=Case(4, 4, 2, 13, 4, 4, "empty_row", 2))
+@example(case=Case(4, 4, 2, 13, 4, 4, "random", 8, causal=True))
 def test_ulysses_matches_reference(case: Case) -> None:
     check_against_reference("ulysses", case)
 
@@ -176,6 +199,7 @@ def test_ulysses_matches_reference(case: Case) -> None:
 @example(case=Case(8, 2, 1, 17, 4, 4, "random", 3))  # ulysses 2 × ring 4
 @example(case=Case(6, 3, 2, 7, 3, 8, "none", 4))  # ulysses 3 × ring 2, padded
 @example(case=Case(4, 2, 2, 29, 4, 4, "empty_row", 14, key_chunk=3))  # chunked ring hops
+@example(case=Case(8, 2, 1, 17, 4, 4, "random", 9, key_chunk=2, causal=True))  # causal hybrid
 def test_usp_matches_reference(case: Case) -> None:
     check_against_reference("usp", case)
 
@@ -495,3 +519,25 @@ def test_ulysses_hlo_has_all_to_alls() -> None:
     counts = collective_counts(hlo)
     # q, k, v, out forward and their cotangents backward; the unused lse's all-to-all is dead.
     assert counts["all-to-all"] == 8 and counts["collective-permute"] == 0, counts
+
+
+def test_causal_local_matches_reference_and_first_query_sees_itself() -> None:
+    q, k, v, *_ = make_inputs(Case(1, 1, 2, 6, 2, 4, "none", 21))
+    out, lse = attention_local(q, k, v, causal=True)
+    want_out, want_lse = causal_reference(q, k, v)
+    assert rel_l2(out, want_out) <= TOL and rel_l2(lse, want_lse) <= TOL
+    np.testing.assert_allclose(out[:, 0], v[:, 0], rtol=1e-6)  # only key 0 is visible
+
+
+def test_causal_ring_rejects_unequal_blocks() -> None:
+    q, k, v, *_ = make_inputs(Case(1, 1, 1, 4, 1, 4, "none", 0))
+    mesh = seq_mesh(1)
+    spec = P(None, "seq")
+    fn = jax.shard_map(
+        lambda q, k, v: attention_ring(q, k, v, causal=True)[0],
+        mesh=mesh,
+        in_specs=(spec, spec, spec),
+        out_specs=spec,
+    )
+    with pytest.raises(ValueError, match="causal ring attention needs query and key blocks"):
+        fn(q, k[:, :2], v[:, :2])

@@ -89,8 +89,9 @@ Lse = Float[Array, "b h t"]
 # Running softmax state of one query block: max m [b,h,q], sum l [b,h,q], unnormalised acc
 # [b,q,h,k]; all float32.
 _Stats = tuple[Array, Array, Array]
-# A key/value block with its key mask: k, v [b, s, h, k] and key_valid [(b,) s] or None.
-_KV = tuple[Array, Array, Array | None]
+# A key/value block with its key mask and, for causal attention, its keys' global positions:
+# k, v [b, s, h, k], key_valid [(b,) s] or None, key_pos [s] int32 or None.
+_KV = tuple[Array, Array, Array | None, Array | None]
 _Attention = Callable[[Array, Array, Array, Array | None], tuple[Array, Array]]
 
 
@@ -145,29 +146,42 @@ def _check_num_valid(num_valid: int | None) -> None:
         raise ValueError(f"num_valid must be a non-negative int or None; got {num_valid!r}.")
 
 
-def _logits(q: Array, k: Array, key_valid: Array | None) -> Array:
-    """Scaled float32 logits [b, h, q, s]; invalid keys get the finite MASK_VALUE."""
+def _mask(key_valid: Array | None, q_pos: Array | None, key_pos: Array | None) -> Array | None:
+    """The allowed (query, key) pairs, broadcastable to logits [b, h, q, s], or None (all).
+
+    ``key_valid`` [(b,) s] masks keys; with global positions (causal) a query at position i
+    sees the keys at positions ≤ i. Positions are computed on every device: nothing travels.
+    """
+    mask = None if key_valid is None else _key_mask(key_valid)
+    if key_pos is None or q_pos is None:
+        return mask
+    causal = (q_pos[:, None] >= key_pos[None, :])[None, None]
+    return causal if mask is None else mask & causal
+
+
+def _logits(q: Array, k: Array, mask: Array | None) -> Array:
+    """Scaled float32 logits [b, h, q, s]; masked pairs get the finite MASK_VALUE."""
     scale = q.shape[-1] ** -0.5
     s = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) * scale
-    return s if key_valid is None else jnp.where(_key_mask(key_valid), s, MASK_VALUE)
+    return s if mask is None else jnp.where(mask, s, MASK_VALUE)
 
 
-def _probs(s: Array, shift: Array, key_valid: Array | None) -> Array:
-    """exp(s − shift) with invalid keys exactly 0, so a row with no valid key sums to 0."""
+def _probs(s: Array, shift: Array, mask: Array | None) -> Array:
+    """exp(s − shift) with masked pairs exactly 0, so a row with no allowed key sums to 0."""
     p = jnp.exp(s - shift[..., None])
-    return p if key_valid is None else jnp.where(_key_mask(key_valid), p, 0.0)
+    return p if mask is None else jnp.where(mask, p, 0.0)
 
 
 def _bhq_to_bqh(x: Array) -> Array:
     return jnp.swapaxes(x, 1, 2)
 
 
-def _block_stats(q: Array, k: Array, v: Array, key_valid: Array | None) -> _Stats:
-    """Softmax statistics of q against one K/V block."""
-    s = _logits(q, k, key_valid)
+def _block_stats(q: Array, k: Array, v: Array, mask: Array | None) -> _Stats:
+    """Softmax statistics of q against one K/V block (``mask``: see ``_mask``)."""
+    s = _logits(q, k, mask)
     # The max only shifts exponents; out and lse do not depend on it, so no gradient flows.
     m = jax.lax.stop_gradient(s.max(-1))
-    p = _probs(s, m, key_valid)
+    p = _probs(s, m, mask)
     acc = jnp.einsum("bhqs,bshk->bqhk", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return m, p.sum(-1), acc
 
@@ -192,7 +206,7 @@ def _finish(stats: _Stats, dtype: jnp.dtype) -> tuple[Array, Array]:
 
 
 def _block_grads(
-    q: Array, k: Array, v: Array, key_valid: Array | None, d_out: Array, lse: Array, delta: Array
+    q: Array, k: Array, v: Array, mask: Array | None, d_out: Array, lse: Array, delta: Array
 ) -> tuple[Array, Array, Array]:
     """Float32 (dq, dk, dv) of one K/V block, recomputing probabilities from the saved lse.
 
@@ -200,7 +214,7 @@ def _block_grads(
     gradient through lse (d lse / d s = p).
     """
     f32 = jnp.float32
-    p = _probs(_logits(q, k, key_valid), lse, key_valid)
+    p = _probs(_logits(q, k, mask), lse, mask)
     dv = jnp.einsum("bhqs,bqhk->bshk", p.astype(d_out.dtype), d_out, preferred_element_type=f32)
     dp = jnp.einsum("bqhk,bshk->bhqs", d_out, v, preferred_element_type=f32)
     ds = p * (dp - delta[..., None]) * q.shape[-1] ** -0.5
@@ -225,8 +239,11 @@ def _chunk_size(s: int, key_chunk: int | None) -> int:
     return max(1, -(-s // chunks))
 
 
-def _key_chunks(k: Array, v: Array, key_valid: Array | None, chunk: int) -> _KV:
-    """k, v [b, s, h, d] -> [n_c, b, c, h, d] and key_valid [(b,) s] -> [n_c, (b,) c], c = chunk.
+def _key_chunks(
+    k: Array, v: Array, key_valid: Array | None, key_pos: Array | None, chunk: int
+) -> _KV:
+    """k, v [b, s, h, d] -> [n_c, b, c, h, d], key_valid [(b,) s] -> [n_c, (b,) c] and
+    key_pos [s] -> [n_c, c], c = chunk.
 
     s is zero-padded to n_c · c; padded keys are masked (key_valid is then never None).
     """
@@ -241,7 +258,14 @@ def _key_chunks(k: Array, v: Array, key_valid: Array | None, chunk: int) -> _KV:
         axis %= x.ndim
         return jnp.moveaxis(x.reshape(*x.shape[:axis], -1, chunk, *x.shape[axis + 1 :]), axis, 0)
 
-    return split(k, 1), split(v, 1), None if key_valid is None else split(key_valid, -1)
+    if key_pos is not None:
+        key_pos, _ = pad_tokens(key_pos, chunk, axis=0)
+    return (
+        split(k, 1),
+        split(v, 1),
+        None if key_valid is None else split(key_valid, -1),
+        None if key_pos is None else split(key_pos, 0),
+    )
 
 
 def _unchunk(x: Array, s: int) -> Array:
@@ -270,22 +294,30 @@ def _no_stats(q: Array, kv: _KV) -> _Stats:
     return m, row_sum, acc
 
 
-def _attend(stats: _Stats, q: Array, kv: _KV, chunk: int) -> _Stats:
-    """``stats`` merged with q's statistics against the block kv = (k, v, key_valid).
+def _attend(stats: _Stats, q: Array, q_pos: Array | None, kv: _KV, chunk: int) -> _Stats:
+    """``stats`` merged with q's statistics against the block kv = (k, v, key_valid, key_pos).
 
     The keys are taken ``chunk`` at a time (online softmax), so one float32 logits tile
     [b, h, t_q, chunk] is alive, never the whole [b, h, t_q, s].
     """
 
     def step(stats: _Stats, kv_chunk: _KV) -> tuple[_Stats, None]:
-        return _merge(stats, _block_stats(q, *kv_chunk)), None
+        k, v, valid, pos = kv_chunk
+        return _merge(stats, _block_stats(q, k, v, _mask(valid, q_pos, pos))), None
 
     stats, _ = jax.lax.scan(step, stats, _key_chunks(*kv, chunk))
     return stats
 
 
 def _attend_grads(
-    dq: Array, q: Array, kv: _KV, chunk: int, d_out: Array, lse: Array, delta: Array
+    dq: Array,
+    q: Array,
+    q_pos: Array | None,
+    kv: _KV,
+    chunk: int,
+    d_out: Array,
+    lse: Array,
+    delta: Array,
 ) -> tuple[Array, Array, Array]:
     """(dq + q's float32 gradient from block kv, the block's dk, dv), ``chunk`` keys at a time.
 
@@ -294,7 +326,8 @@ def _attend_grads(
     """
 
     def step(dq: Array, kv_chunk: _KV) -> tuple[Array, tuple[Array, Array]]:
-        dq_c, dk_c, dv_c = _block_grads(q, *kv_chunk, d_out, lse, delta)
+        k, v, valid, pos = kv_chunk
+        dq_c, dk_c, dv_c = _block_grads(q, k, v, _mask(valid, q_pos, pos), d_out, lse, delta)
         return dq + dq_c, (dk_c, dv_c)
 
     dq, (dk, dv) = jax.lax.scan(step, dq, _key_chunks(*kv, chunk))
@@ -305,19 +338,23 @@ def _attend_grads(
 # ----------------------------------------------------------------------------- local
 
 
-def attention_local(q: Block, k: Block, v: Block, key_valid: KeyValid = None) -> tuple[Block, Lse]:
+def attention_local(
+    q: Block, k: Block, v: Block, key_valid: KeyValid = None, *, causal: bool = False
+) -> tuple[Block, Lse]:
     """Masked softmax attention on whole local blocks (no communication; plain autodiff).
 
     Args:
       q: queries [b, t, h, k]; k, v: keys and values [b, s, h, k] (same dtype as q).
       key_valid: bool [b, s] or [s], True for real keys; None means all keys are real.
+      causal: query i sees keys 0..i only (positions from 0 in both blocks).
 
     Returns:
       out [b, t, h, k] in q's dtype (zeros for a query with no valid key) and the float32
       log-sum-exp of its logits, lse [b, h, t] (MASK_VALUE for a query with no valid key).
     """
     _check_blocks(q, k, v, key_valid)
-    return _finish(_block_stats(q, k, v, key_valid), q.dtype)
+    q_pos, key_pos = (jnp.arange(x.shape[1]) if causal else None for x in (q, k))
+    return _finish(_block_stats(q, k, v, _mask(key_valid, q_pos, key_pos)), q.dtype)
 
 
 # ----------------------------------------------------------------------------- ring
@@ -327,15 +364,31 @@ def _ring_perm(n: int) -> list[tuple[int, int]]:
     return [(i, (i + 1) % n) for i in range(n)]
 
 
-def _hop_block(kv: _KV, step: Array | int, axis: str, num_valid: int | None) -> _KV:
-    """kv = (k, v, key_valid) with the position mask of the block held after ``step`` hops.
+def _hop_block(
+    kv: tuple[Array, Array, Array | None],
+    step: Array | int,
+    axis: str,
+    num_valid: int | None,
+    causal: bool,
+) -> _KV:
+    """kv = (k, v, key_valid) with the padding mask (and, causal, the key positions) of the
+    block held after ``step`` hops.
 
     That block started on device (i − step) mod n of the ring over ``axis`` and covers global
     tokens from that index · s (s = its key count). Computed locally: no communication.
     """
     n, s = jax.lax.axis_size(axis), kv[0].shape[1]
     src = (jax.lax.axis_index(axis) - step) % n
-    return kv[0], kv[1], _and_valid(kv[2], _positions_valid(src, s, num_valid, n * s))
+    key_pos = src * s + jnp.arange(s) if causal else None
+    return kv[0], kv[1], _and_valid(kv[2], _positions_valid(src, s, num_valid, n * s)), key_pos
+
+
+def _query_positions(q: Array, axis: str, causal: bool) -> Array | None:
+    """Global positions [t] of this device's queries on the ring over ``axis`` (causal only)."""
+    if not causal:
+        return None
+    t = q.shape[1]
+    return jax.lax.axis_index(axis) * t + jnp.arange(t)
 
 
 def _ring_forward(
@@ -346,20 +399,22 @@ def _ring_forward(
     axis: str,
     chunk: int,
     num_valid: int | None,
+    causal: bool,
 ) -> tuple[Array, Array]:
     """(out, lse): K/V blocks travel the ring; each is attended ``chunk`` keys at a time."""
     n = jax.lax.axis_size(axis)
-    block = functools.partial(_hop_block, axis=axis, num_valid=num_valid)
+    block = functools.partial(_hop_block, axis=axis, num_valid=num_valid, causal=causal)
+    q_pos = _query_positions(q, axis, causal)
 
     def hop(carry: tuple[_Stats, tuple], step: Array) -> tuple[tuple[_Stats, tuple], None]:
         stats, kv = carry
         # Pass the K/V block (and a key_valid array, if any) one step round the ring: after j
         # hops this device holds the block that started on device i − j.
         kv = jax.lax.ppermute(kv, axis, _ring_perm(n))
-        return (_attend(stats, q, block(kv, step), chunk), kv), None
+        return (_attend(stats, q, q_pos, block(kv, step), chunk), kv), None
 
     kv = (k, v, key_valid)
-    stats = _attend(_no_stats(q, block(kv, 0)), q, block(kv, 0), chunk)
+    stats = _attend(_no_stats(q, block(kv, 0)), q, q_pos, block(kv, 0), chunk)
     if n > 1:
         (stats, _), _ = jax.lax.scan(hop, (stats, kv), jnp.arange(1, n))
     return _finish(stats, q.dtype)
@@ -375,6 +430,7 @@ def attention_ring_autodiff(
     *,
     key_chunk: int | None = None,
     num_valid: int | None = None,
+    causal: bool = False,
 ) -> tuple[Block, Lse]:
     """Ring attention forward, differentiated by plain JAX autodiff: the memory BASELINE.
 
@@ -384,13 +440,12 @@ def attention_ring_autodiff(
     other way round the ring; use ``attention_ring``, whose hand-written backward saves only
     q, k, v, out and lse.
     """
-    _check_blocks(q, k, v, key_valid)
-    _check_num_valid(num_valid)
+    _check_ring(q, k, v, key_valid, num_valid, causal)
     chunk = _chunk_size(k.shape[1], key_chunk)
-    return _ring_forward(q, k, v, key_valid, axis, chunk, num_valid)
+    return _ring_forward(q, k, v, key_valid, axis, chunk, num_valid, causal)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _ring(
     q: Array,
     k: Array,
@@ -399,8 +454,9 @@ def _ring(
     axis: str,
     chunk: int,
     num_valid: int | None,
+    causal: bool,
 ) -> tuple[Array, Array]:
-    return _ring_forward(q, k, v, key_valid, axis, chunk, num_valid)
+    return _ring_forward(q, k, v, key_valid, axis, chunk, num_valid, causal)
 
 
 def _ring_fwd(
@@ -411,20 +467,29 @@ def _ring_fwd(
     axis: str,
     chunk: int,
     num_valid: int | None,
+    causal: bool,
 ) -> tuple[tuple[Array, Array], tuple]:
-    out, lse = _ring_forward(q, k, v, key_valid, axis, chunk, num_valid)
+    out, lse = _ring_forward(q, k, v, key_valid, axis, chunk, num_valid, causal)
     return (out, lse), (q, k, v, key_valid, out, lse)
 
 
 def _ring_bwd(
-    axis: str, chunk: int, num_valid: int | None, res: tuple, cts: tuple[Array, Array]
+    axis: str,
+    chunk: int,
+    num_valid: int | None,
+    causal: bool,
+    res: tuple,
+    cts: tuple[Array, Array],
 ) -> tuple:
     q, k, v, key_valid, out, lse = res
     d_out, d_lse = cts
     f32 = jnp.float32
     delta = _bhq_to_bqh(jnp.sum(d_out.astype(f32) * out.astype(f32), -1)) - d_lse
-    grads = functools.partial(_attend_grads, q=q, chunk=chunk, d_out=d_out, lse=lse, delta=delta)
-    block = functools.partial(_hop_block, axis=axis, num_valid=num_valid)
+    q_pos = _query_positions(q, axis, causal)
+    grads = functools.partial(
+        _attend_grads, q=q, q_pos=q_pos, chunk=chunk, d_out=d_out, lse=lse, delta=delta
+    )
+    block = functools.partial(_hop_block, axis=axis, num_valid=num_valid, causal=causal)
     n = jax.lax.axis_size(axis)
 
     def hop(carry: tuple, step: Array) -> tuple[tuple, None]:
@@ -457,6 +522,7 @@ def attention_ring(
     *,
     key_chunk: int | None = None,
     num_valid: int | None = None,
+    causal: bool = False,
 ) -> tuple[Block, Lse]:
     """Ring attention over mesh axis ``axis`` with a memory-lean hand-written backward.
 
@@ -480,14 +546,31 @@ def attention_ring(
         chunks and the block padded to a multiple of c with masked keys.
       num_valid: static; keys at global index (axis index · s + local) ≥ num_valid are padding,
         masked from positions with no communication. ANDed with ``key_valid``.
+      causal: static; the query at global index i sees the keys at global index ≤ i (the
+        contiguous layout: device j holds tokens j·t ... (j+1)·t − 1, so t must equal s). The
+        mask is computed from positions on every device: nothing extra travels. Every hop
+        still runs (on masked tiles for keys in the future); skipping them is load balancing's
+        job.
 
     Returns:
       out [b, t, h, k] (q's dtype) and lse [b, h, t] (float32), equal to attention over the
       whole sequence; see ``attention_local`` for rows without a valid key.
     """
+    _check_ring(q, k, v, key_valid, num_valid, causal)
+    chunk = _chunk_size(k.shape[1], key_chunk)
+    return _ring(q, k, v, key_valid, axis, chunk, num_valid, causal)
+
+
+def _check_ring(
+    q: Array, k: Array, v: Array, key_valid: Array | None, num_valid: int | None, causal: bool
+) -> None:
     _check_blocks(q, k, v, key_valid)
     _check_num_valid(num_valid)
-    return _ring(q, k, v, key_valid, axis, _chunk_size(k.shape[1], key_chunk), num_valid)
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"causal ring attention needs query and key blocks of one length (global positions "
+            f"are block index · length); got {q.shape[1]} queries and {k.shape[1]} keys."
+        )
 
 
 # ----------------------------------------------------------------------------- Ulysses
@@ -542,6 +625,7 @@ def attention_ulysses(
     axis: str = "seq",
     *,
     num_valid: int | None = None,
+    causal: bool = False,
 ) -> tuple[Block, Lse]:
     """Ulysses (DeepSpeed) sequence parallelism over mesh axis ``axis`` of size n.
 
@@ -561,6 +645,8 @@ def attention_ulysses(
       num_valid: static; keys at global index ≥ num_valid are padding. The communication-free
         path for padding masks: every device builds ``arange(n·t) < num_valid`` itself. ANDed
         with ``key_valid``.
+      causal: the query at global index i sees the keys at global index ≤ i: after the
+        all-to-all every device holds the whole sequence in order, so the mask is local.
 
     Returns:
       out [b, t, h, k] and lse [b, h, t] as ``attention_local`` on the whole sequence.
@@ -573,7 +659,7 @@ def attention_ulysses(
     def local(q: Array, k: Array, v: Array, key_valid: Array | None) -> tuple[Array, Array]:
         # Every device now holds all s keys in order: their padding mask from positions alone.
         valid = _positions_valid(0, k.shape[1], num_valid, k.shape[1])
-        return attention_local(q, k, v, _and_valid(key_valid, valid))
+        return attention_local(q, k, v, _and_valid(key_valid, valid), causal=causal)
 
     return _ulysses(q, k, v, key_valid, axis, local)
 
@@ -592,6 +678,7 @@ def attention_usp(
     *,
     key_chunk: int | None = None,
     num_valid: int | None = None,
+    causal: bool = False,
 ) -> tuple[Block, Lse]:
     """Unified sequence parallelism: Ulysses over ``ulysses_axis``, ring over ``ring_axis``.
 
@@ -614,13 +701,15 @@ def attention_usp(
         (ring_axis, ulysses_axis), ring major) are padding. The communication-free path for
         padding masks: after the all-to-all a ring position p holds tokens p·u·t ... (p+1)·u·t − 1,
         so the ring computes each hop's mask from positions (``attention_ring``'s num_valid).
+      causal: the query at global index i sees the keys at global index ≤ i; by the same
+        layout the ring's blocks are contiguous runs of u·t tokens (``attention_ring``'s causal).
 
     Returns:
       out [b, t, h, k] and lse [b, h, t] as ``attention_local`` on the whole sequence.
     """
     _check_num_valid(num_valid)
     ring = functools.partial(
-        attention_ring, axis=ring_axis, key_chunk=key_chunk, num_valid=num_valid
+        attention_ring, axis=ring_axis, key_chunk=key_chunk, num_valid=num_valid, causal=causal
     )
     return _ulysses(q, k, v, key_valid, ulysses_axis, ring)
 
@@ -727,6 +816,7 @@ def sharded_attention(
     ulysses: int | None = None,
     key_chunk: int | None = None,
     num_valid: int | None = None,
+    causal: bool = False,
 ) -> tuple[Float[Array, "b t h k"], Float[Array, "b h t"]]:
     """Sequence-parallel attention on global arrays: pads, runs ``shard_map``, slices back.
 
@@ -744,6 +834,8 @@ def sharded_attention(
       num_valid: keys at index ≥ num_valid are invalid, computed from positions (no
         communication). The padding added to reach a multiple of the seq axis size is always
         masked this way (num_valid at most s).
+      causal: query i sees keys 0..i (global positions; the padding sits after every real
+        token, so it changes no real query's keys). Needs t = s.
 
     Returns:
       out [b, t, h, k] and float32 lse [b, h, t], as ``attention_local`` on the whole arrays.
@@ -760,7 +852,7 @@ def sharded_attention(
     num_valid = s if num_valid is None else min(num_valid, s)
 
     def body(q: Array, k: Array, v: Array, key_valid: Array | None = None) -> tuple:
-        return attn(q, k, v, key_valid, num_valid=num_valid)
+        return attn(q, k, v, key_valid, num_valid=num_valid, causal=causal)
 
     sharded = jax.shard_map(
         body,
