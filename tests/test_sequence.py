@@ -21,7 +21,9 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardkit.mesh import make_mesh
+from shardkit.mesh import PlanError, make_mesh
+from shardkit.parallel import layouts
+from shardkit.parallel.layouts import LAYOUTS, from_layout, to_layout
 from shardkit.sequence import (
     MASK_VALUE,
     SEQ_RING,
@@ -57,6 +59,7 @@ class Case:
     seed: int
     key_chunk: int | None = None  # most keys per chunk in ring hops (ring, usp)
     causal: bool = False  # query i sees keys 0..i (global positions)
+    layout: str = "contiguous"  # which positions each device holds (layouts.LAYOUTS)
 
 
 @st.composite
@@ -76,6 +79,7 @@ def cases(draw: st.DrawFn, mode: str) -> Case:
         # Small chunks split a hop's keys into several, padded ones (None: one chunk here).
         key_chunk=None if mode == "ulysses" else draw(st.sampled_from((None, 1, 2, 3))),
         causal=draw(st.booleans()),
+        layout=draw(st.sampled_from(LAYOUTS)),
     )
 
 
@@ -162,6 +166,7 @@ def check_against_reference(mode: str, case: Case) -> None:
         ulysses=case.ulysses,
         key_chunk=case.key_chunk,
         causal=case.causal,
+        layout=case.layout,
     )
     got = outputs_and_grads(sharded, q, k, v, w_out, w_lse)
     want = outputs_and_grads(
@@ -184,6 +189,8 @@ def check_against_reference(mode: str, case: Case) -> None:
 @example(case=Case(1, 1, 2, 13, 2, 4, "none", 13, key_chunk=5))  # no mask but padded chunks
 @example(case=Case(4, 1, 2, 13, 2, 4, "random", 5, key_chunk=2, causal=True))  # causal, padded
 @example(case=Case(8, 1, 1, 5, 2, 4, "empty_row", 7, causal=True))  # causal, empty blocks
+@example(case=Case(4, 1, 2, 13, 2, 4, "random", 5, key_chunk=3, causal=True, layout="zigzag"))
+@example(case=Case(3, 1, 1, 17, 2, 8, "none", 15, causal=True, layout="striped"))
 def test_ring_matches_reference(case: Case) -> None:
     check_against_reference("ring", case)
 
@@ -191,6 +198,7 @@ def test_ring_matches_reference(case: Case) -> None:
 @given(case=cases("ulysses"))
 @example(case=Case(4, 4, 2, 13, 4, 4, "empty_row", 2))
 @example(case=Case(4, 4, 2, 13, 4, 4, "random", 8, causal=True))
+@example(case=Case(2, 2, 1, 7, 2, 4, "none", 16, causal=True, layout="zigzag"))
 def test_ulysses_matches_reference(case: Case) -> None:
     check_against_reference("ulysses", case)
 
@@ -200,6 +208,7 @@ def test_ulysses_matches_reference(case: Case) -> None:
 @example(case=Case(6, 3, 2, 7, 3, 8, "none", 4))  # ulysses 3 × ring 2, padded
 @example(case=Case(4, 2, 2, 29, 4, 4, "empty_row", 14, key_chunk=3))  # chunked ring hops
 @example(case=Case(8, 2, 1, 17, 4, 4, "random", 9, key_chunk=2, causal=True))  # causal hybrid
+@example(case=Case(4, 2, 2, 13, 2, 4, "random", 10, causal=True, layout="zigzag"))
 def test_usp_matches_reference(case: Case) -> None:
     check_against_reference("usp", case)
 
@@ -541,3 +550,41 @@ def test_causal_ring_rejects_unequal_blocks() -> None:
     )
     with pytest.raises(ValueError, match="causal ring attention needs query and key blocks"):
         fn(q, k[:, :2], v[:, :2])
+
+
+def test_layout_positions_and_exact_round_trip() -> None:
+    np.testing.assert_array_equal(layouts.positions("zigzag", 2, 4), [[0, 1, 6, 7], [2, 3, 4, 5]])
+    np.testing.assert_array_equal(layouts.positions("striped", 2, 3), [[0, 2, 4], [1, 3, 5]])
+    np.testing.assert_array_equal(layouts.positions("contiguous", 2, 2), [[0, 1], [2, 3]])
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 24, 3)), jnp.float32)
+    for layout in LAYOUTS:
+        for n in (1, 2, 3, 4):
+            y = to_layout(x, n, layout)
+            # Device j's contiguous slice holds exactly the tokens at layouts.positions(...)[j].
+            table = layouts.positions(layout, n, 24 // n)
+            for j in range(n):
+                chunk = y[:, j * (24 // n) : (j + 1) * (24 // n)]
+                np.testing.assert_array_equal(chunk, x[:, table[j]])
+            np.testing.assert_array_equal(from_layout(y, n, layout), x)
+
+
+def test_layout_errors_name_the_problem() -> None:
+    with pytest.raises(PlanError, match="Unknown token layout 'zigzig'"):
+        layouts.positions("zigzig", 2, 4)
+    with pytest.raises(PlanError, match=r"t=3 tokens per device is odd; pad the sequence to a "):
+        layouts.positions("zigzag", 2, 3)
+
+
+def test_zigzag_balances_causal_work() -> None:
+    """Visible (query, key) pairs per device under a causal mask: contiguous is n:1 unbalanced
+    between the last and the first device; zigzag is exactly even."""
+    for n in (2, 4, 8):
+        t = 16
+        work = {}
+        for layout in LAYOUTS:
+            table = layouts.positions(layout, n, t)
+            all_keys = table.reshape(-1)
+            work[layout] = [int((table[j][:, None] >= all_keys[None, :]).sum()) for j in range(n)]
+        assert len(set(work["zigzag"])) == 1
+        assert max(work["contiguous"]) > (2 * n - 1) / 2 * min(work["contiguous"])
+        assert max(work["striped"]) - min(work["striped"]) < t * n  # within one token row each

@@ -73,6 +73,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float
 
 from shardkit.mesh import AXES, PlanError
+from shardkit.parallel import layouts
 from shardkit.parallel.collectives import shard_map_primitive
 
 MASK_VALUE = float(np.float32(-0.7 * float(np.finfo(np.float32).max)))  # exact in float32
@@ -123,15 +124,15 @@ def _key_mask(key_valid: Array) -> Array:
     return valid[:, None, None, :]
 
 
-def _positions_valid(src: Array | int, s: int, num_valid: int | None, total: int) -> Array | None:
-    """valid[s] of the block of s keys that starts at global token ``src · s``: index < num_valid.
+def _positions_valid(pos: Array, num_valid: int | None, total: int) -> Array | None:
+    """valid[s] of the keys at global positions ``pos``: position < num_valid.
 
     Computed from positions alone (no communication); None when no key of any block is padding
     (``num_valid`` None or ≥ ``total``, the token count the blocks cover).
     """
     if num_valid is None or num_valid >= total:
         return None
-    return src * s + jnp.arange(s) < num_valid
+    return pos < num_valid
 
 
 def _and_valid(key_valid: Array | None, valid: Array | None) -> Array | None:
@@ -364,31 +365,40 @@ def _ring_perm(n: int) -> list[tuple[int, int]]:
     return [(i, (i + 1) % n) for i in range(n)]
 
 
+def _ring_table(layout: str, n: int, group: int, t: int) -> Array:
+    """int32 [n, t]: the global positions of the block ring device j holds, per layout.
+
+    A ring block is ``group`` consecutive shards of ``layout`` over n·group shards of t/group
+    tokens (USP: the Ulysses degree; a plain ring: 1). A static table: nothing travels.
+    """
+    if t % group:
+        raise ValueError(f"a ring block of {t} tokens does not hold {group} whole shards.")
+    return jnp.asarray(layouts.positions(layout, n * group, t // group).reshape(n, t))
+
+
 def _hop_block(
     kv: tuple[Array, Array, Array | None],
     step: Array | int,
     axis: str,
     num_valid: int | None,
     causal: bool,
+    table: Array,
 ) -> _KV:
     """kv = (k, v, key_valid) with the padding mask (and, causal, the key positions) of the
     block held after ``step`` hops.
 
-    That block started on device (i − step) mod n of the ring over ``axis`` and covers global
-    tokens from that index · s (s = its key count). Computed locally: no communication.
+    That block started on device (i − step) mod n of the ring over ``axis``; ``table`` gives
+    its keys' global positions. Computed locally: no communication.
     """
     n, s = jax.lax.axis_size(axis), kv[0].shape[1]
-    src = (jax.lax.axis_index(axis) - step) % n
-    key_pos = src * s + jnp.arange(s) if causal else None
-    return kv[0], kv[1], _and_valid(kv[2], _positions_valid(src, s, num_valid, n * s)), key_pos
+    key_pos = table[(jax.lax.axis_index(axis) - step) % n]
+    valid = _and_valid(kv[2], _positions_valid(key_pos, num_valid, n * s))
+    return kv[0], kv[1], valid, key_pos if causal else None
 
 
-def _query_positions(q: Array, axis: str, causal: bool) -> Array | None:
+def _query_positions(axis: str, causal: bool, table: Array) -> Array | None:
     """Global positions [t] of this device's queries on the ring over ``axis`` (causal only)."""
-    if not causal:
-        return None
-    t = q.shape[1]
-    return jax.lax.axis_index(axis) * t + jnp.arange(t)
+    return table[jax.lax.axis_index(axis)] if causal else None
 
 
 def _ring_forward(
@@ -400,11 +410,15 @@ def _ring_forward(
     chunk: int,
     num_valid: int | None,
     causal: bool,
+    layout: tuple[str, int],
 ) -> tuple[Array, Array]:
     """(out, lse): K/V blocks travel the ring; each is attended ``chunk`` keys at a time."""
     n = jax.lax.axis_size(axis)
-    block = functools.partial(_hop_block, axis=axis, num_valid=num_valid, causal=causal)
-    q_pos = _query_positions(q, axis, causal)
+    table = _ring_table(layout[0], n, layout[1], k.shape[1])
+    block = functools.partial(
+        _hop_block, axis=axis, num_valid=num_valid, causal=causal, table=table
+    )
+    q_pos = _query_positions(axis, causal, table)
 
     def hop(carry: tuple[_Stats, tuple], step: Array) -> tuple[tuple[_Stats, tuple], None]:
         stats, kv = carry
@@ -431,6 +445,7 @@ def attention_ring_autodiff(
     key_chunk: int | None = None,
     num_valid: int | None = None,
     causal: bool = False,
+    layout: str = "contiguous",
 ) -> tuple[Block, Lse]:
     """Ring attention forward, differentiated by plain JAX autodiff: the memory BASELINE.
 
@@ -442,10 +457,10 @@ def attention_ring_autodiff(
     """
     _check_ring(q, k, v, key_valid, num_valid, causal)
     chunk = _chunk_size(k.shape[1], key_chunk)
-    return _ring_forward(q, k, v, key_valid, axis, chunk, num_valid, causal)
+    return _ring_forward(q, k, v, key_valid, axis, chunk, num_valid, causal, (layout, 1))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def _ring(
     q: Array,
     k: Array,
@@ -455,8 +470,9 @@ def _ring(
     chunk: int,
     num_valid: int | None,
     causal: bool,
+    layout: tuple[str, int],
 ) -> tuple[Array, Array]:
-    return _ring_forward(q, k, v, key_valid, axis, chunk, num_valid, causal)
+    return _ring_forward(q, k, v, key_valid, axis, chunk, num_valid, causal, layout)
 
 
 def _ring_fwd(
@@ -468,8 +484,9 @@ def _ring_fwd(
     chunk: int,
     num_valid: int | None,
     causal: bool,
+    layout: tuple[str, int],
 ) -> tuple[tuple[Array, Array], tuple]:
-    out, lse = _ring_forward(q, k, v, key_valid, axis, chunk, num_valid, causal)
+    out, lse = _ring_forward(q, k, v, key_valid, axis, chunk, num_valid, causal, layout)
     return (out, lse), (q, k, v, key_valid, out, lse)
 
 
@@ -478,6 +495,7 @@ def _ring_bwd(
     chunk: int,
     num_valid: int | None,
     causal: bool,
+    layout: tuple[str, int],
     res: tuple,
     cts: tuple[Array, Array],
 ) -> tuple:
@@ -485,12 +503,15 @@ def _ring_bwd(
     d_out, d_lse = cts
     f32 = jnp.float32
     delta = _bhq_to_bqh(jnp.sum(d_out.astype(f32) * out.astype(f32), -1)) - d_lse
-    q_pos = _query_positions(q, axis, causal)
+    n = jax.lax.axis_size(axis)
+    table = _ring_table(layout[0], n, layout[1], k.shape[1])
+    q_pos = _query_positions(axis, causal, table)
     grads = functools.partial(
         _attend_grads, q=q, q_pos=q_pos, chunk=chunk, d_out=d_out, lse=lse, delta=delta
     )
-    block = functools.partial(_hop_block, axis=axis, num_valid=num_valid, causal=causal)
-    n = jax.lax.axis_size(axis)
+    block = functools.partial(
+        _hop_block, axis=axis, num_valid=num_valid, causal=causal, table=table
+    )
 
     def hop(carry: tuple, step: Array) -> tuple[tuple, None]:
         dq, kv, dkv = carry
@@ -523,6 +544,7 @@ def attention_ring(
     key_chunk: int | None = None,
     num_valid: int | None = None,
     causal: bool = False,
+    layout: str = "contiguous",
 ) -> tuple[Block, Lse]:
     """Ring attention over mesh axis ``axis`` with a memory-lean hand-written backward.
 
@@ -546,11 +568,12 @@ def attention_ring(
         chunks and the block padded to a multiple of c with masked keys.
       num_valid: static; keys at global index (axis index · s + local) ≥ num_valid are padding,
         masked from positions with no communication. ANDed with ``key_valid``.
-      causal: static; the query at global index i sees the keys at global index ≤ i (the
-        contiguous layout: device j holds tokens j·t ... (j+1)·t − 1, so t must equal s). The
-        mask is computed from positions on every device: nothing extra travels. Every hop
-        still runs (on masked tiles for keys in the future); skipping them is load balancing's
-        job.
+      causal: static; the query at global position i sees the keys at global position ≤ i
+        (t must equal s). The mask is computed from positions on every device: nothing extra
+        travels. Every hop still runs (on masked tiles for keys in the future).
+      layout: which global positions each device holds (``layouts.LAYOUTS``): "contiguous",
+        or "zigzag" / "striped", which balance a causal mask's work over the ring; permute
+        global arrays with ``layouts.to_layout`` first. Positions also place ``num_valid``.
 
     Returns:
       out [b, t, h, k] (q's dtype) and lse [b, h, t] (float32), equal to attention over the
@@ -558,7 +581,26 @@ def attention_ring(
     """
     _check_ring(q, k, v, key_valid, num_valid, causal)
     chunk = _chunk_size(k.shape[1], key_chunk)
-    return _ring(q, k, v, key_valid, axis, chunk, num_valid, causal)
+    return _ring(q, k, v, key_valid, axis, chunk, num_valid, causal, (layout, 1))
+
+
+def _attention_ring_grouped(
+    q: Block,
+    k: Block,
+    v: Block,
+    key_valid: KeyValid,
+    axis: str,
+    key_chunk: int | None,
+    num_valid: int | None,
+    causal: bool,
+    layout: str,
+    group: int,
+) -> tuple[Block, Lse]:
+    """``attention_ring`` whose blocks each hold ``group`` consecutive shards of ``layout``
+    (USP's ring after its all-to-all over a Ulysses axis of size ``group``)."""
+    _check_ring(q, k, v, key_valid, num_valid, causal)
+    chunk = _chunk_size(k.shape[1], key_chunk)
+    return _ring(q, k, v, key_valid, axis, chunk, num_valid, causal, (layout, group))
 
 
 def _check_ring(
@@ -626,6 +668,7 @@ def attention_ulysses(
     *,
     num_valid: int | None = None,
     causal: bool = False,
+    layout: str = "contiguous",
 ) -> tuple[Block, Lse]:
     """Ulysses (DeepSpeed) sequence parallelism over mesh axis ``axis`` of size n.
 
@@ -645,8 +688,10 @@ def attention_ulysses(
       num_valid: static; keys at global index ≥ num_valid are padding. The communication-free
         path for padding masks: every device builds ``arange(n·t) < num_valid`` itself. ANDed
         with ``key_valid``.
-      causal: the query at global index i sees the keys at global index ≤ i: after the
-        all-to-all every device holds the whole sequence in order, so the mask is local.
+      causal: the query at global position i sees the keys at global position ≤ i: after the
+        all-to-all every device holds the whole sequence (in device order), so the mask is local.
+      layout: the token layout over ``axis`` (see ``attention_ring``); Ulysses works on any,
+        reading each gathered token's position from ``layouts.positions``.
 
     Returns:
       out [b, t, h, k] and lse [b, h, t] as ``attention_local`` on the whole sequence.
@@ -657,9 +702,12 @@ def attention_ulysses(
     _check_num_valid(num_valid)
 
     def local(q: Array, k: Array, v: Array, key_valid: Array | None) -> tuple[Array, Array]:
-        # Every device now holds all s keys in order: their padding mask from positions alone.
-        valid = _positions_valid(0, k.shape[1], num_valid, k.shape[1])
-        return attention_local(q, k, v, _and_valid(key_valid, valid), causal=causal)
+        # Every device now holds all s keys in device order: masks from positions alone.
+        n, s = jax.lax.axis_size(axis), k.shape[1]
+        pos = jnp.asarray(layouts.positions(layout, n, s // n).reshape(-1))
+        valid = _and_valid(key_valid, _positions_valid(pos, num_valid, s))
+        mask = _mask(valid, pos if causal else None, pos if causal else None)
+        return _finish(_block_stats(q, k, v, mask), q.dtype)
 
     return _ulysses(q, k, v, key_valid, axis, local)
 
@@ -679,6 +727,7 @@ def attention_usp(
     key_chunk: int | None = None,
     num_valid: int | None = None,
     causal: bool = False,
+    layout: str = "contiguous",
 ) -> tuple[Block, Lse]:
     """Unified sequence parallelism: Ulysses over ``ulysses_axis``, ring over ``ring_axis``.
 
@@ -701,16 +750,21 @@ def attention_usp(
         (ring_axis, ulysses_axis), ring major) are padding. The communication-free path for
         padding masks: after the all-to-all a ring position p holds tokens p·u·t ... (p+1)·u·t − 1,
         so the ring computes each hop's mask from positions (``attention_ring``'s num_valid).
-      causal: the query at global index i sees the keys at global index ≤ i; by the same
-        layout the ring's blocks are contiguous runs of u·t tokens (``attention_ring``'s causal).
+      causal: the query at global position i sees the keys at global position ≤ i; the
+        ring's block r holds the shards r·u ... (r+1)·u − 1 of the layout.
+      layout: the token layout over the n = r·u devices of (ring_axis, ulysses_axis).
 
     Returns:
       out [b, t, h, k] and lse [b, h, t] as ``attention_local`` on the whole sequence.
     """
     _check_num_valid(num_valid)
-    ring = functools.partial(
-        attention_ring, axis=ring_axis, key_chunk=key_chunk, num_valid=num_valid, causal=causal
-    )
+    u = jax.lax.axis_size(ulysses_axis)
+
+    def ring(q: Array, k: Array, v: Array, key_valid: Array | None) -> tuple[Array, Array]:
+        return _attention_ring_grouped(
+            q, k, v, key_valid, ring_axis, key_chunk, num_valid, causal, layout, u
+        )
+
     return _ulysses(q, k, v, key_valid, ulysses_axis, ring)
 
 
@@ -787,14 +841,23 @@ def _mode_plan(
 
 
 def _padded_inputs(
-    q: Array, k: Array, v: Array, key_valid: Array | None, n: int, seq: str | tuple[str, ...]
+    q: Array,
+    k: Array,
+    v: Array,
+    key_valid: Array | None,
+    n: int,
+    seq: str | tuple[str, ...],
+    layout: str,
 ) -> tuple[tuple[Array, ...], tuple[P, ...]]:
-    """Token-padded (q, k, v[, key_valid]) and their in_specs; padding needs no mask array."""
+    """(q, k, v[, key_valid]) token-padded and permuted into ``layout``, and their in_specs;
+    padding needs no mask array."""
     spec = P("data", seq, "model", None)
-    args = tuple(pad_tokens(x, n)[0] for x in (q, k, v))
+    multiple = layouts.multiple(layout, n)
+    args = tuple(layouts.to_layout(pad_tokens(x, multiple)[0], n, layout) for x in (q, k, v))
     if key_valid is None:
         return args, (spec, spec, spec)
-    return (*args, pad_tokens(key_valid, n)[0]), (spec, spec, spec, P("data", seq))
+    valid = layouts.to_layout(pad_tokens(key_valid, multiple)[0], n, layout)
+    return (*args, valid), (spec, spec, spec, P("data", seq))
 
 
 def _check_global(q: Array, mesh: Mesh) -> None:
@@ -817,6 +880,7 @@ def sharded_attention(
     key_chunk: int | None = None,
     num_valid: int | None = None,
     causal: bool = False,
+    layout: str = "contiguous",
 ) -> tuple[Float[Array, "b t h k"], Float[Array, "b h t"]]:
     """Sequence-parallel attention on global arrays: pads, runs ``shard_map``, slices back.
 
@@ -836,6 +900,8 @@ def sharded_attention(
         masked this way (num_valid at most s).
       causal: query i sees keys 0..i (global positions; the padding sits after every real
         token, so it changes no real query's keys). Needs t = s.
+      layout: the token layout on the devices (``layouts.LAYOUTS``): the arrays are permuted
+        into it before ``shard_map`` and back after, so results are in sequence order.
 
     Returns:
       out [b, t, h, k] and float32 lse [b, h, t], as ``attention_local`` on the whole arrays.
@@ -848,11 +914,11 @@ def sharded_attention(
     n, s = mesh.shape["seq"], k.shape[1]
     mesh, seq, attn = _mode_plan(mesh, mode, q.shape[2], ulysses, key_chunk)
     spec = P("data", seq, "model", None)
-    args, in_specs = _padded_inputs(q, k, v, key_valid, n, seq)
+    args, in_specs = _padded_inputs(q, k, v, key_valid, n, seq, layout)
     num_valid = s if num_valid is None else min(num_valid, s)
 
     def body(q: Array, k: Array, v: Array, key_valid: Array | None = None) -> tuple:
-        return attn(q, k, v, key_valid, num_valid=num_valid, causal=causal)
+        return attn(q, k, v, key_valid, num_valid=num_valid, causal=causal, layout=layout)
 
     sharded = jax.shard_map(
         body,
@@ -862,4 +928,5 @@ def sharded_attention(
         check_vma=True,
     )
     out, lse = sharded(*args)
+    out, lse = layouts.from_layout(out, n, layout), layouts.from_layout(lse, n, layout, axis=2)
     return out[:, : q.shape[1]], lse[..., : q.shape[1]]
