@@ -327,9 +327,11 @@ class ShardedViT(sharded.ShardedModel):
     def check_batch(self, batch: int) -> None:
         check_plan(self.cfg, self.plan, batch)
 
-    def check_inputs(self, *batch: Any) -> None:
-        self.check_batch(batch[0].shape[0])
-        super().check_inputs(*batch)
+    def shard_batch(self, *arrays: Array) -> tuple[Array, ...]:
+        """Splits arrays along their first (batch) dim over ``data``: the images alone (for
+        ``forward``) or images and labels."""
+        self.check_batch(arrays[0].shape[0])
+        return tuple(jax.device_put(a, self.sharding(self.batch_spec)) for a in arrays)
 
     @functools.cached_property
     def forward(self) -> Callable[[Params, Array], Array]:

@@ -240,6 +240,21 @@ def _chunk_size(s: int, key_chunk: int | None) -> int:
     return max(1, -(-s // chunks))
 
 
+def _tiles(
+    s: int, key_chunk: int | None, causal: bool, layout: str, group: int
+) -> tuple[int, int]:
+    """(keys per chunk, query tiles) of a ring block of s tokens.
+
+    Causal zigzag: a block is 2·group contiguous runs of positions; tiling queries and keys
+    along those runs lets every (query tile, key chunk) pair be wholly visible, partly visible
+    (the diagonal) or wholly invisible — and the invisible ones, about half, are skipped.
+    Otherwise one query tile (a contiguous block skips whole future blocks as it is).
+    """
+    runs = 2 * group if causal and layout == "zigzag" and s % (2 * group) == 0 else 1
+    limit = KEY_CHUNK if key_chunk is None else key_chunk
+    return _chunk_size(s, min(limit, s // runs) if limit >= 1 else limit), runs
+
+
 def _key_chunks(
     k: Array, v: Array, key_valid: Array | None, key_pos: Array | None, chunk: int
 ) -> _KV:
@@ -259,8 +274,9 @@ def _key_chunks(
         axis %= x.ndim
         return jnp.moveaxis(x.reshape(*x.shape[:axis], -1, chunk, *x.shape[axis + 1 :]), axis, 0)
 
-    if key_pos is not None:
-        key_pos, _ = pad_tokens(key_pos, chunk, axis=0)
+    if key_pos is not None:  # padded keys sit in the far future: never visible, never kept
+        far = np.iinfo(np.int32).max
+        key_pos = jnp.pad(key_pos, (0, -key_pos.shape[0] % chunk), constant_values=far)
     return (
         split(k, 1),
         split(v, 1),
@@ -295,19 +311,94 @@ def _no_stats(q: Array, kv: _KV) -> _Stats:
     return m, row_sum, acc
 
 
-def _attend(stats: _Stats, q: Array, q_pos: Array | None, kv: _KV, chunk: int) -> _Stats:
-    """``stats`` merged with q's statistics against the block kv = (k, v, key_valid, key_pos).
+def _visible(q_pos: Array | None, key_pos: Array | None) -> Array | None:
+    """Causal: does any query of the tile see any of its keys? (None: not causal, always.)"""
+    return None if q_pos is None or key_pos is None else q_pos.max() >= key_pos.min()
 
-    The keys are taken ``chunk`` at a time (online softmax), so one float32 logits tile
-    [b, h, t_q, chunk] is alive, never the whole [b, h, t_q, s].
-    """
+
+def _query_slices(t: int, q_chunks: int) -> list[slice]:
+    """The ``q_chunks`` equal slices of a t-query block (causal skipping's query tiles)."""
+    size = t // q_chunks
+    return [slice(i * size, (i + 1) * size) for i in range(q_chunks)]
+
+
+def _attend_tile(stats: _Stats, q: Array, q_pos: Array | None, kv: _KV, chunk: int) -> _Stats:
+    """``_attend`` for one query tile; causal key chunks it cannot see are skipped (lax.cond)."""
 
     def step(stats: _Stats, kv_chunk: _KV) -> tuple[_Stats, None]:
         k, v, valid, pos = kv_chunk
-        return _merge(stats, _block_stats(q, k, v, _mask(valid, q_pos, pos))), None
+
+        def compute(stats: _Stats) -> _Stats:
+            return _merge(stats, _block_stats(q, k, v, _mask(valid, q_pos, pos)))
+
+        visible = _visible(q_pos, pos)
+        if visible is None:
+            return compute(stats), None
+        return jax.lax.cond(visible, compute, lambda stats: stats, stats), None
 
     stats, _ = jax.lax.scan(step, stats, _key_chunks(*kv, chunk))
     return stats
+
+
+def _attend(
+    stats: _Stats, q: Array, q_pos: Array | None, kv: _KV, chunk: int, q_chunks: int = 1
+) -> _Stats:
+    """``stats`` merged with q's statistics against the block kv = (k, v, key_valid, key_pos).
+
+    The keys are taken ``chunk`` at a time (online softmax), so one float32 logits tile
+    [b, h, t_q, chunk] is alive, never the whole [b, h, t_q, s]. Causal: the queries are
+    taken in ``q_chunks`` tiles and a (query tile, key chunk) pair with no visible key is
+    skipped, not computed on a mask.
+    """
+    if q_chunks == 1:
+        return _attend_tile(stats, q, q_pos, kv, chunk)
+    m, row_sum, acc = stats
+    tiles = [
+        _attend_tile((m[..., r], row_sum[..., r], acc[:, r]), q[:, r], _at(q_pos, r), kv, chunk)
+        for r in _query_slices(q.shape[1], q_chunks)
+    ]
+    ms, sums, accs = zip(*tiles, strict=True)
+    return jnp.concatenate(ms, -1), jnp.concatenate(sums, -1), jnp.concatenate(accs, 1)
+
+
+def _at(x: Array | None, r: slice) -> Array | None:
+    return None if x is None else x[r]
+
+
+def _attend_grads_tile(
+    dq: Array,
+    q: Array,
+    q_pos: Array | None,
+    kv: _KV,
+    chunk: int,
+    d_out: Array,
+    lse: Array,
+    delta: Array,
+) -> tuple[Array, Array, Array]:
+    """``_attend_grads`` for one query tile, skipping the key chunks it cannot see."""
+    f32 = jnp.float32
+
+    def step(dq: Array, kv_chunk: _KV) -> tuple[Array, tuple[Array, Array]]:
+        k, v, valid, pos = kv_chunk
+
+        def compute(dq: Array) -> tuple[Array, tuple[Array, Array]]:
+            mask = _mask(valid, q_pos, pos)
+            dq_c, dk_c, dv_c = _block_grads(q, k, v, mask, d_out, lse, delta)
+            return dq + dq_c, (dk_c, dv_c)
+
+        def skip(dq: Array) -> tuple[Array, tuple[Array, Array]]:
+            like = (q, k, v, valid, pos, q_pos, d_out, lse, delta)
+            zero = (_varying_as(jnp.zeros(x.shape, f32), *like) for x in (k, v))
+            return dq, tuple(zero)  # type: ignore[return-value]
+
+        visible = _visible(q_pos, pos)
+        if visible is None:
+            return compute(dq)
+        return jax.lax.cond(visible, compute, skip, dq)
+
+    dq, (dk, dv) = jax.lax.scan(step, dq, _key_chunks(*kv, chunk))
+    s = kv[0].shape[1]
+    return dq, _unchunk(dk, s), _unchunk(dv, s)
 
 
 def _attend_grads(
@@ -319,21 +410,23 @@ def _attend_grads(
     d_out: Array,
     lse: Array,
     delta: Array,
+    q_chunks: int = 1,
 ) -> tuple[Array, Array, Array]:
     """(dq + q's float32 gradient from block kv, the block's dk, dv), ``chunk`` keys at a time.
 
     Per chunk: recompute p from lse, add its dq, emit its dk, dv (one [b, h, t_q, chunk] tile
-    of p, dp, ds alive at a time).
+    of p, dp, ds alive at a time). Query tiles and causal skips as in ``_attend``.
     """
-
-    def step(dq: Array, kv_chunk: _KV) -> tuple[Array, tuple[Array, Array]]:
-        k, v, valid, pos = kv_chunk
-        dq_c, dk_c, dv_c = _block_grads(q, k, v, _mask(valid, q_pos, pos), d_out, lse, delta)
-        return dq + dq_c, (dk_c, dv_c)
-
-    dq, (dk, dv) = jax.lax.scan(step, dq, _key_chunks(*kv, chunk))
-    s = kv[0].shape[1]
-    return dq, _unchunk(dk, s), _unchunk(dv, s)
+    if q_chunks == 1:
+        return _attend_grads_tile(dq, q, q_pos, kv, chunk, d_out, lse, delta)
+    tiles = [
+        _attend_grads_tile(
+            dq[:, r], q[:, r], _at(q_pos, r), kv, chunk, d_out[:, r], lse[..., r], delta[..., r]
+        )
+        for r in _query_slices(q.shape[1], q_chunks)
+    ]
+    dqs, dks, dvs = zip(*tiles, strict=True)
+    return jnp.concatenate(dqs, 1), sum(dks[1:], dks[0]), sum(dvs[1:], dvs[0])
 
 
 # ----------------------------------------------------------------------------- local
@@ -414,21 +507,23 @@ def _ring_forward(
 ) -> tuple[Array, Array]:
     """(out, lse): K/V blocks travel the ring; each is attended ``chunk`` keys at a time."""
     n = jax.lax.axis_size(axis)
+    tiles = _tiles(k.shape[1], chunk, causal, *layout)[1]
     table = _ring_table(layout[0], n, layout[1], k.shape[1])
     block = functools.partial(
         _hop_block, axis=axis, num_valid=num_valid, causal=causal, table=table
     )
     q_pos = _query_positions(axis, causal, table)
+    attend = functools.partial(_attend, q=q, q_pos=q_pos, chunk=chunk, q_chunks=tiles)
 
     def hop(carry: tuple[_Stats, tuple], step: Array) -> tuple[tuple[_Stats, tuple], None]:
         stats, kv = carry
         # Pass the K/V block (and a key_valid array, if any) one step round the ring: after j
         # hops this device holds the block that started on device i − j.
         kv = jax.lax.ppermute(kv, axis, _ring_perm(n))
-        return (_attend(stats, q, q_pos, block(kv, step), chunk), kv), None
+        return (attend(stats, kv=block(kv, step)), kv), None
 
     kv = (k, v, key_valid)
-    stats = _attend(_no_stats(q, block(kv, 0)), q, q_pos, block(kv, 0), chunk)
+    stats = attend(_no_stats(q, block(kv, 0)), kv=block(kv, 0))
     if n > 1:
         (stats, _), _ = jax.lax.scan(hop, (stats, kv), jnp.arange(1, n))
     return _finish(stats, q.dtype)
@@ -456,7 +551,7 @@ def attention_ring_autodiff(
     q, k, v, out and lse.
     """
     _check_ring(q, k, v, key_valid, num_valid, causal)
-    chunk = _chunk_size(k.shape[1], key_chunk)
+    chunk = _tiles(k.shape[1], key_chunk, causal, layout, 1)[0]
     return _ring_forward(q, k, v, key_valid, axis, chunk, num_valid, causal, (layout, 1))
 
 
@@ -506,8 +601,16 @@ def _ring_bwd(
     n = jax.lax.axis_size(axis)
     table = _ring_table(layout[0], n, layout[1], k.shape[1])
     q_pos = _query_positions(axis, causal, table)
+    tiles = _tiles(k.shape[1], chunk, causal, *layout)[1]
     grads = functools.partial(
-        _attend_grads, q=q, q_pos=q_pos, chunk=chunk, d_out=d_out, lse=lse, delta=delta
+        _attend_grads,
+        q=q,
+        q_pos=q_pos,
+        chunk=chunk,
+        d_out=d_out,
+        lse=lse,
+        delta=delta,
+        q_chunks=tiles,
     )
     block = functools.partial(
         _hop_block, axis=axis, num_valid=num_valid, causal=causal, table=table
@@ -580,7 +683,7 @@ def attention_ring(
       whole sequence; see ``attention_local`` for rows without a valid key.
     """
     _check_ring(q, k, v, key_valid, num_valid, causal)
-    chunk = _chunk_size(k.shape[1], key_chunk)
+    chunk = _tiles(k.shape[1], key_chunk, causal, layout, 1)[0]
     return _ring(q, k, v, key_valid, axis, chunk, num_valid, causal, (layout, 1))
 
 
@@ -599,7 +702,7 @@ def _attention_ring_grouped(
     """``attention_ring`` whose blocks each hold ``group`` consecutive shards of ``layout``
     (USP's ring after its all-to-all over a Ulysses axis of size ``group``)."""
     _check_ring(q, k, v, key_valid, num_valid, causal)
-    chunk = _chunk_size(k.shape[1], key_chunk)
+    chunk = _tiles(k.shape[1], key_chunk, causal, layout, group)[0]
     return _ring(q, k, v, key_valid, axis, chunk, num_valid, causal, (layout, group))
 
 
