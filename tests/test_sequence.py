@@ -36,6 +36,7 @@ from shardkit.sequence import (
     attention_usp,
     heads_to_seq,
     pad_tokens,
+    ring_work,
     seq_to_heads,
     sharded_attention,
     usp_factor,
@@ -588,3 +589,32 @@ def test_zigzag_balances_causal_work() -> None:
         assert len(set(work["zigzag"])) == 1
         assert max(work["contiguous"]) > (2 * n - 1) / 2 * min(work["contiguous"])
         assert max(work["striped"]) - min(work["striped"]) < t * n  # within one token row each
+
+
+def test_ring_work_counts_the_schedule() -> None:
+    """Causal contiguous: device j computes j+1 of n blocks; zigzag: (n+1)/(2n)·... equal on
+    every device and about half of bidirectional; bidirectional and striped: everything."""
+    n, t = 4, 8
+    full = n * t * t
+    assert ring_work("contiguous", n, t, causal=False) == [full] * n
+    assert ring_work("contiguous", n, t, causal=True) == [(j + 1) * t * t for j in range(n)]
+    zigzag = ring_work("zigzag", n, t, causal=True)
+    assert len(set(zigzag)) == 1 and zigzag[0] == (2 * n + 1) * t * t // 4  # 9/16 at n = 4
+    assert ring_work("striped", n, t, causal=True) == [full] * n
+
+
+def test_causal_ring_compiles_skips_as_conditionals() -> None:
+    """The skips survive compilation: one conditional per tile loop, forward and backward
+    (contiguous: 1 query tile; zigzag: 2), none without causal."""
+    q, k, v, *_ = make_inputs(Case(4, 1, 1, 64, 2, 8, "none", 0))
+
+    def conditionals(causal: bool, layout: str) -> int:
+        def loss(q, k, v):
+            out, _ = sharded_attention(q, k, v, seq_mesh(4), causal=causal, layout=layout)
+            return out.sum()
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        return grad.lower(q, k, v).compile().as_text().count(" conditional(")
+
+    assert conditionals(False, "contiguous") == 0
+    assert 0 < conditionals(True, "contiguous") < conditionals(True, "zigzag")

@@ -1033,3 +1033,25 @@ def sharded_attention(
     out, lse = sharded(*args)
     out, lse = layouts.from_layout(out, n, layout), layouts.from_layout(lse, n, layout, axis=2)
     return out[:, : q.shape[1]], lse[..., : q.shape[1]]
+
+
+def ring_work(layout: str, n: int, t: int, causal: bool, key_chunk: int | None = None) -> list[int]:
+    """Per device, the (query, key) pairs a ring over n devices of t tokens each computes.
+
+    Counted from the schedule ``attention_ring`` runs (its query tiles, key chunks and causal
+    skips), not from a trace: every hop's tiles that some query of the tile can see count in
+    full (their masked pairs are computed too). Bidirectional: n·t² on every device.
+    """
+    table = layouts.positions(layout, n, t)
+    chunk, q_chunks = _tiles(t, key_chunk, causal, layout, 1)
+    work = []
+    for i in range(n):
+        total = 0
+        for src in range(n):
+            keys = table[src]
+            for r in _query_slices(t, q_chunks):
+                for c in range(0, t, chunk):
+                    visible = not causal or table[i][r].max() >= keys[c : c + chunk].min()
+                    total += visible * (r.stop - r.start) * len(keys[c : c + chunk])
+        work.append(total)
+    return work
