@@ -2,7 +2,8 @@
 
 Every ``attention_*`` function runs INSIDE ``jax.shard_map`` on per-device blocks and takes the
 names of the mesh axes it communicates over; ``sharded_attention`` wraps them for global arrays.
-Nothing here assumes a ViT: any bidirectional attention with a per-key validity mask fits.
+Nothing here assumes a ViT: bidirectional or causal attention (``causal=True``), with a
+per-key validity mask, on any token layout (``layouts``: contiguous, zigzag, striped).
 
 Dimension alphabet (vit_ref's): b batch, t tokens (q query tokens, s key tokens), h heads,
 k head dim. Local blocks inside ``shard_map``:
@@ -48,7 +49,10 @@ travel (ppermuted with its K/V block round a ring, all-gathered by Ulysses). The
 sequence split on the axis, ring major for USP): a function of positions, so every device
 computes the mask of any block it holds from the block's source position (the ring block held
 after j hops on device i came from device (i − j) mod n; ``axis_index``, no communication).
-Both may be given; a key is then real only if both say so.
+Both may be given; a key is then real only if both say so. Causal masks are positions too:
+each device reads its tokens' global positions from ``layouts.positions`` (a static table
+indexed by ``axis_index``), and the ring skips the (query tile, key chunk) pairs in which no
+query sees a key (``ring_work`` counts what is left).
 
 Padding: a token count that does not divide n is padded with ``pad_tokens`` before
 ``shard_map``; pass ``num_valid`` = the true token count (the communication-free path) so padded
