@@ -339,12 +339,19 @@ def test_local_rows_without_valid_keys_are_zero_with_finite_grads() -> None:
 
 
 @pytest.mark.parametrize("mode", ["ring", "ulysses", "usp"])
-def test_large_inputs_stay_finite(mode: str) -> None:
+@pytest.mark.parametrize("causal, layout", [(False, "contiguous"), (True, "zigzag")])
+def test_large_inputs_stay_finite(mode: str, causal: bool, layout: str) -> None:
     case = Case(4, 2, 2, 13, 4, 8, "empty_row", 9)
     q, k, v, w_out, w_lse, valid = make_inputs(case, scale=1e3)
     chunk = None if mode == "ulysses" else 2  # several chunks per hop, one padded
     sharded = functools.partial(
-        sharded_attention, mesh=seq_mesh(4), mode=mode, key_valid=valid, key_chunk=chunk
+        sharded_attention,
+        mesh=seq_mesh(4),
+        mode=mode,
+        key_valid=valid,
+        key_chunk=chunk,
+        causal=causal,
+        layout=layout,
     )
     results = outputs_and_grads(sharded, q, k, v, w_out, w_lse)
     assert all(bool(jnp.isfinite(x).all()) for x in results)
