@@ -61,6 +61,7 @@ class Case:
     key_chunk: int | None = None  # most keys per chunk in ring hops (ring, usp)
     causal: bool = False  # query i sees keys 0..i (global positions)
     layout: str = "contiguous"  # which positions each device holds (layouts.LAYOUTS)
+    kv_heads: int | None = None  # grouped-query: key/value heads (None: heads, multi-head)
 
 
 @st.composite
@@ -81,6 +82,7 @@ def cases(draw: st.DrawFn, mode: str) -> Case:
         key_chunk=None if mode == "ulysses" else draw(st.sampled_from((None, 1, 2, 3))),
         causal=draw(st.booleans()),
         layout=draw(st.sampled_from(LAYOUTS)),
+        kv_heads=draw(st.sampled_from((None, 1))),  # MHA or MQA; GQA examples below
     )
 
 
@@ -90,8 +92,10 @@ def make_inputs(case: Case, scale: float = 1.0, dtype: type = np.float32) -> tup
     Drawn with NumPy: eager jax.random would compile a kernel for every new shape.
     """
     shape = (case.batch, case.tokens, case.heads, case.head_dim)
+    kv_shape = (*shape[:2], case.kv_heads or case.heads, shape[3])
     rng = np.random.default_rng(case.seed)
-    q, k, v, w_out = (rng.standard_normal(shape, np.float32) for _ in range(4))
+    q, w_out = (rng.standard_normal(shape, np.float32) for _ in range(2))
+    k, v = (rng.standard_normal(kv_shape, np.float32) for _ in range(2))
     w_lse = rng.standard_normal((case.batch, case.heads, case.tokens), np.float32)
     valid = None if case.mask == "none" else rng.random(shape[:2]) < 0.7
     if case.mask == "empty_row":
@@ -106,7 +110,11 @@ def make_inputs(case: Case, scale: float = 1.0, dtype: type = np.float32) -> tup
 
 
 def reference_attention(q, k, v, key_valid=None, causal=False):
-    """Unsharded twin: vit_ref attention plus lse; rows with no valid key give 0 and MASK."""
+    """Unsharded twin: vit_ref attention plus lse; rows with no valid key give 0 and MASK.
+
+    Grouped-query K, V (fewer heads) are repeated to one head per query head first: query head
+    i uses KV head i // (h / h_kv); autodiff through the repeat sums their gradients."""
+    k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))
     if causal:
         return causal_reference(q, k, v, key_valid)
     scale = q.shape[-1] ** -0.5
@@ -192,6 +200,7 @@ def check_against_reference(mode: str, case: Case) -> None:
 @example(case=Case(8, 1, 1, 5, 2, 4, "empty_row", 7, causal=True))  # causal, empty blocks
 @example(case=Case(4, 1, 2, 13, 2, 4, "random", 5, key_chunk=3, causal=True, layout="zigzag"))
 @example(case=Case(3, 1, 1, 17, 2, 8, "none", 15, causal=True, layout="striped"))
+@example(case=Case(4, 1, 2, 11, 4, 4, "random", 17, key_chunk=2, causal=True, kv_heads=2))  # GQA
 def test_ring_matches_reference(case: Case) -> None:
     check_against_reference("ring", case)
 
@@ -200,6 +209,8 @@ def test_ring_matches_reference(case: Case) -> None:
 @example(case=Case(4, 4, 2, 13, 4, 4, "empty_row", 2))
 @example(case=Case(4, 4, 2, 13, 4, 4, "random", 8, causal=True))
 @example(case=Case(2, 2, 1, 7, 2, 4, "none", 16, causal=True, layout="zigzag"))
+@example(case=Case(4, 4, 1, 9, 8, 4, "random", 18, causal=True, kv_heads=2))  # h_kv < n
+@example(case=Case(4, 4, 2, 8, 4, 4, "empty_row", 19, kv_heads=1))  # MQA
 def test_ulysses_matches_reference(case: Case) -> None:
     check_against_reference("ulysses", case)
 
@@ -210,6 +221,7 @@ def test_ulysses_matches_reference(case: Case) -> None:
 @example(case=Case(4, 2, 2, 29, 4, 4, "empty_row", 14, key_chunk=3))  # chunked ring hops
 @example(case=Case(8, 2, 1, 17, 4, 4, "random", 9, key_chunk=2, causal=True))  # causal hybrid
 @example(case=Case(4, 2, 2, 13, 2, 4, "random", 10, causal=True, layout="zigzag"))
+@example(case=Case(8, 4, 1, 16, 8, 4, "random", 20, causal=True, layout="zigzag", kv_heads=2))
 def test_usp_matches_reference(case: Case) -> None:
     check_against_reference("usp", case)
 
@@ -625,3 +637,28 @@ def test_causal_ring_compiles_skips_as_conditionals() -> None:
 
     assert conditionals(False, "contiguous") == 0
     assert 0 < conditionals(True, "contiguous") < conditionals(True, "zigzag")
+
+
+def test_gqa_ring_sends_kv_bytes_divided_by_the_group() -> None:
+    """The ring moves only the H_kv-head blocks: its bytes fall by H / H_kv, measured."""
+    from shardkit.comm.ledger import measure
+
+    def permute_bytes(kv_heads: int) -> float:
+        case = Case(4, 1, 1, 32, 8, 8, "none", 0, kv_heads=kv_heads)
+        q, k, v, *_ = make_inputs(case)
+
+        def loss(q, k, v):
+            return sharded_attention(q, k, v, seq_mesh(4), "ring")[0].sum()
+
+        ledger = measure(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v)
+        return sum(c.bytes_sent for c in ledger.collectives if c.kind == "collective-permute")
+
+    mha = permute_bytes(8)
+    assert mha > 0
+    assert permute_bytes(2) == mha / 4 and permute_bytes(1) == mha / 8
+
+
+def test_gqa_rejects_heads_not_divisible() -> None:
+    q, k, v, *_ = make_inputs(Case(1, 1, 1, 4, 4, 4, "none", 0, kv_heads=4))
+    with pytest.raises(ValueError, match=r"query heads \(4\) divisible by the key/value heads"):
+        attention_local(q, k[:, :, :3], v[:, :, :3])

@@ -8,7 +8,10 @@ per-key validity mask, on any token layout (``layouts``: contiguous, zigzag, str
 Dimension alphabet (vit_ref's): b batch, t tokens (q query tokens, s key tokens), h heads,
 k head dim. Local blocks inside ``shard_map``:
 
-  q, k, v     [b, t_local, h_local, k]   float32 or bfloat16 (one dtype for all three)
+  q           [b, t_local, h_local, k]   float32 or bfloat16 (one dtype for q, k, v)
+  k, v        [b, t_local, h_kv, k]      h_kv divides h: grouped-query (h_kv = 1: multi-query;
+                                         h_kv = h: multi-head); query head i uses KV head
+                                         i // (h / h_kv), and only h_kv-head blocks travel
   key_valid   [b, t_local] or [t_local]  bool, True for a real key; or None (all keys real)
   out         [b, t_local, h_local, k]   q's dtype
   lse         [b, h_local, t_local]      float32 log-sum-exp of each query's logits
@@ -104,12 +107,18 @@ _Attention = Callable[[Array, Array, Array, Array | None], tuple[Array, Array]]
 
 
 def _check_blocks(q: Array, k: Array, v: Array, key_valid: Array | None) -> None:
-    """Raises ValueError unless q [b,t,h,k], k = v [b,s,h,k], key_valid [b,s] | [s] bool."""
-    b, s, h, d = k.shape if k.ndim == 4 else (None,) * 4
-    if q.ndim != 4 or k.shape != v.shape or q.shape[0] != b or q.shape[2:] != (h, d):
+    """Raises ValueError unless q [b,t,h,k], k = v [b,s,h_kv,k] with h_kv dividing h (grouped-
+    query attention; h_kv = h is multi-head, 1 multi-query), key_valid [b,s] | [s] bool."""
+    b, s, h_kv, d = k.shape if k.ndim == 4 else (None,) * 4
+    if q.ndim != 4 or k.shape != v.shape or q.shape[0] != b or q.shape[3] != d:
         raise ValueError(
-            f"attention needs q [b, t, h, k] and k, v [b, s, h, k] blocks; got q {q.shape}, "
+            f"attention needs q [b, t, h, k] and k, v [b, s, h_kv, k] blocks; got q {q.shape}, "
             f"k {k.shape}, v {v.shape}."
+        )
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"grouped-query attention needs the query heads ({q.shape[2]}) divisible by the "
+            f"key/value heads ({h_kv})."
         )
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}.")
@@ -164,10 +173,26 @@ def _mask(key_valid: Array | None, q_pos: Array | None, key_pos: Array | None) -
     return causal if mask is None else mask & causal
 
 
+def _grouped(x: Array, kv_heads: int) -> Array:
+    """[b, t, h, k] -> [b, t, n, g, k]: query heads grouped by the KV head they share (n of them;
+    query head i uses KV head i // g)."""
+    b, t, h, d = x.shape
+    return x.reshape(b, t, kv_heads, h // kv_heads, d)
+
+
+def _grouped_bh(x: Array, kv_heads: int) -> Array:
+    """[b, h, q, s] -> [b, n, g, q, s] (the same grouping, for probabilities)."""
+    b, h, *rest = x.shape
+    return x.reshape(b, kv_heads, h // kv_heads, *rest)
+
+
 def _logits(q: Array, k: Array, mask: Array | None) -> Array:
     """Scaled float32 logits [b, h, q, s]; masked pairs get the finite MASK_VALUE."""
-    scale = q.shape[-1] ** -0.5
-    s = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) * scale
+    b, t, h, d = q.shape
+    scale = d**-0.5
+    qg = _grouped(q, k.shape[2])
+    s = jnp.einsum("bqngk,bsnk->bngqs", qg, k, preferred_element_type=jnp.float32) * scale
+    s = s.reshape(b, h, t, k.shape[1])
     return s if mask is None else jnp.where(mask, s, MASK_VALUE)
 
 
@@ -187,8 +212,9 @@ def _block_stats(q: Array, k: Array, v: Array, mask: Array | None) -> _Stats:
     # The max only shifts exponents; out and lse do not depend on it, so no gradient flows.
     m = jax.lax.stop_gradient(s.max(-1))
     p = _probs(s, m, mask)
-    acc = jnp.einsum("bhqs,bshk->bqhk", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return m, p.sum(-1), acc
+    pg = _grouped_bh(p.astype(v.dtype), v.shape[2])
+    acc = jnp.einsum("bngqs,bsnk->bqngk", pg, v, preferred_element_type=jnp.float32)
+    return m, p.sum(-1), acc.reshape(q.shape)
 
 
 def _merge(a: _Stats, b: _Stats) -> _Stats:
@@ -218,14 +244,20 @@ def _block_grads(
     delta [b, h, q] is rowsum(d_out · out) − d_lse, so ds = p · (dp − delta) also carries the
     gradient through lse (d lse / d s = p).
     """
-    f32 = jnp.float32
+    f32, n = jnp.float32, k.shape[2]
     p = _probs(_logits(q, k, mask), lse, mask)
-    dv = jnp.einsum("bhqs,bqhk->bshk", p.astype(d_out.dtype), d_out, preferred_element_type=f32)
-    dp = jnp.einsum("bqhk,bshk->bhqs", d_out, v, preferred_element_type=f32)
+    d_out_g = _grouped(d_out, n)
+    pg = _grouped_bh(p.astype(d_out.dtype), n)
+    # GQA: a KV head's gradient sums over the g query heads that share it.
+    dv = jnp.einsum("bngqs,bqngk->bsnk", pg, d_out_g, preferred_element_type=f32)
+    dp = jnp.einsum("bqngk,bsnk->bngqs", d_out_g, v, preferred_element_type=f32).reshape(p.shape)
     ds = p * (dp - delta[..., None]) * q.shape[-1] ** -0.5
-    dq = jnp.einsum("bhqs,bshk->bqhk", ds.astype(k.dtype), k, preferred_element_type=f32)
-    dk = jnp.einsum("bhqs,bqhk->bshk", ds.astype(q.dtype), q, preferred_element_type=f32)
-    return dq, dk, dv
+    dsg = _grouped_bh(ds, n)
+    dq = jnp.einsum("bngqs,bsnk->bqngk", dsg.astype(k.dtype), k, preferred_element_type=f32)
+    dk = jnp.einsum(
+        "bngqs,bqngk->bsnk", dsg.astype(q.dtype), _grouped(q, n), preferred_element_type=f32
+    )
+    return dq.reshape(q.shape), dk, dv
 
 
 # ----------------------------------------------------------------------------- key chunks
@@ -668,7 +700,9 @@ def attention_ring(
     Signature: q[B, T_X, H, K] · k, v[B, S_X, H, K] -> out[B, T_X, H, K], lse[B, H, T_X].
 
     Args:
-      q: local queries [b, t, h, k]; k, v: local keys and values [b, s, h, k].
+      q: local queries [b, t, h, k]; k, v: local keys and values [b, s, h_kv, k] (h_kv
+        divides h: grouped-query; the K/V blocks that travel hold h_kv heads, so the ring's
+        bytes are h_kv / h of multi-head's).
       key_valid: local bool data mask [b, s] or [s] (True = real key; it travels), or None.
       axis: the mesh axis the sequence is split over.
       key_chunk: most keys per chunk (None: ``KEY_CHUNK``); c is evened out over the fewest
@@ -748,12 +782,25 @@ def _check_heads(heads: int, axis: str) -> None:
         )
 
 
+def _replicate_kv_heads(x: Array, n: int) -> Array:
+    """k or v [b, t, h_kv, k] -> [b, t, lcm(h_kv, n), k]: each KV head repeated in place.
+
+    Ulysses splits heads over n devices; with h_kv not a multiple of n (e.g. MQA, h_kv = 1) each
+    KV head is repeated n / gcd(h_kv, n) times, the standard replication: query head i still
+    meets KV head i // g on whichever device it lands, and autodiff sums the copies' gradients.
+    The all-to-alls then move lcm(h_kv, n) / h_kv times the KV bytes.
+    """
+    repeats = n // math.gcd(x.shape[2], n)
+    return x if repeats == 1 else jnp.repeat(x, repeats, axis=2)
+
+
 def _ulysses(
     q: Array, k: Array, v: Array, key_valid: Array | None, axis: str, inner: _Attention
 ) -> tuple[Array, Array]:
     """Ulysses over ``axis`` around ``inner``, an attention over the gathered tokens."""
     _check_blocks(q, k, v, key_valid)
     _check_heads(q.shape[2], axis)
+    k, v = (_replicate_kv_heads(x, jax.lax.axis_size(axis)) for x in (k, v))
     q_h, k_h, v_h = (seq_to_heads(x, axis) for x in (q, k, v))
     if key_valid is not None:
         # Every device now needs every key's validity; a data mask must be gathered (it is
@@ -787,8 +834,10 @@ def attention_ulysses(
 
     Args:
       q: the local query block [b, t, h, k]; h must be divisible by n.
-      k: the local key block, shaped like q.
-      v: the local value block, shaped like q.
+      k: the local key block [b, t, h_kv, k], h_kv dividing h. With h_kv not a multiple of n
+        each KV head is first repeated n / gcd(h_kv, n) times (the standard replication; the
+        k, v all-to-alls then move that many times their bytes).
+      v: the local value block, shaped like k.
       key_valid: local bool mask [b, t] or [t] (True = real key), or None: an arbitrary data
         mask, all-gathered over ``axis``.
       axis: the mesh axis the sequence is split over.
@@ -967,11 +1016,12 @@ def _padded_inputs(
     return (*args, valid), (spec, spec, spec, P("data", seq))
 
 
-def _check_global(q: Array, mesh: Mesh) -> None:
-    if q.shape[0] % mesh.shape["data"] or q.shape[2] % mesh.shape["model"]:
+def _check_global(q: Array, k: Array, mesh: Mesh) -> None:
+    model = mesh.shape["model"]
+    if q.shape[0] % mesh.shape["data"] or q.shape[2] % model or k.shape[2] % model:
         raise PlanError(
             f"Batch {q.shape[0]} must divide by data={mesh.shape['data']} and heads {q.shape[2]} "
-            f"by model={mesh.shape['model']}."
+            f"(key/value heads {k.shape[2]}) by model={model}."
         )
 
 
@@ -1016,7 +1066,7 @@ def sharded_attention(
       results back makes XLA gather them outside ``shard_map``. Models should keep activations
       padded and call the ``attention_*`` functions inside their own ``shard_map``.
     """
-    _check_global(q, mesh)
+    _check_global(q, k, mesh)
     _check_num_valid(num_valid)
     n, s = mesh.shape["seq"], k.shape[1]
     mesh, seq, attn = _mode_plan(mesh, mode, q.shape[2], ulysses, key_chunk)

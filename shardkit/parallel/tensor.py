@@ -126,7 +126,9 @@ def attention_tp(
         ``query`` / ``key`` / ``value``: ``{"kernel": [d, h/n, k], "bias": [h/n, k]}``;
         ``out``: ``{"kernel": [h/n, k, d], "bias": [d]}`` (the bias whole: it is added once,
         after the reduction). Split over ``axis`` along the heads dim, as
-        ``vit_ref.param_axes`` names it ("heads").
+        ``vit_ref.param_axes`` names it ("heads"). Grouped-query attention: ``key`` and
+        ``value`` with h_kv heads ([d, h_kv/n, k], h_kv divisible by n, and h/h_kv query heads
+        per KV head on every device); the sequence cores accept it.
       axis: the tensor-parallel mesh axis, or None (no split: plain attention).
       core: ``core(q, k, v) -> o`` on local heads, [b, t, h/n, k] each (plain, ring, Ulysses,
         masked...). The 1/√k score scaling belongs to the core (``sequence.attention_local``
