@@ -62,6 +62,7 @@ class Case:
     causal: bool = False  # query i sees keys 0..i (global positions)
     layout: str = "contiguous"  # which positions each device holds (layouts.LAYOUTS)
     kv_heads: int | None = None  # grouped-query: key/value heads (None: heads, multi-head)
+    segments: bool = False  # packed sequences: random contiguous segments per batch row
 
 
 @st.composite
@@ -83,6 +84,7 @@ def cases(draw: st.DrawFn, mode: str) -> Case:
         causal=draw(st.booleans()),
         layout=draw(st.sampled_from(LAYOUTS)),
         kv_heads=draw(st.sampled_from((None, 1))),  # MHA or MQA; GQA examples below
+        segments=draw(st.booleans()),
     )
 
 
@@ -109,14 +111,23 @@ def make_inputs(case: Case, scale: float = 1.0, dtype: type = np.float32) -> tup
     )
 
 
-def reference_attention(q, k, v, key_valid=None, causal=False):
+def make_segments(case: Case) -> jax.Array | None:
+    """Packed sequences: int32 [b, t], each row cut into contiguous segments at random."""
+    if not case.segments:
+        return None
+    rng = np.random.default_rng(case.seed + 1)
+    starts = rng.random((case.batch, case.tokens)) < 0.3
+    return jnp.asarray(np.cumsum(starts, axis=1), jnp.int32)
+
+
+def reference_attention(q, k, v, key_valid=None, causal=False, segment_ids=None):
     """Unsharded twin: vit_ref attention plus lse; rows with no valid key give 0 and MASK.
 
     Grouped-query K, V (fewer heads) are repeated to one head per query head first: query head
     i uses KV head i // (h / h_kv); autodiff through the repeat sums their gradients."""
     k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))
-    if causal:
-        return causal_reference(q, k, v, key_valid)
+    if causal or segment_ids is not None:
+        return causal_reference(q, k, v, key_valid, causal, segment_ids)
     scale = q.shape[-1] ** -0.5
     logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) * scale
     out = attention_core(q, k, v, key_valid)
@@ -128,11 +139,13 @@ def reference_attention(q, k, v, key_valid=None, causal=False):
     return out * has_key[:, None, None, None].astype(out.dtype), lse
 
 
-def causal_reference(q, k, v, key_valid=None):
-    """Dense causal softmax attention on the whole sequence, written out in plain jnp."""
+def causal_reference(q, k, v, key_valid=None, causal=True, segment_ids=None):
+    """Dense masked (causal and / or packed) softmax attention, written out in plain jnp."""
     t, s = q.shape[1], k.shape[1]
-    allowed = jnp.arange(t)[:, None] >= jnp.arange(s)[None, :]  # [t, s]
+    allowed = jnp.arange(t)[:, None] >= jnp.arange(s)[None, :] if causal else jnp.ones((t, s), bool)
     allowed = allowed[None, None] & (True if key_valid is None else key_valid[:, None, None, :])
+    if segment_ids is not None:
+        allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
     logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32)
     logits = jnp.where(allowed, logits * q.shape[-1] ** -0.5, -jnp.inf)
     has_key = allowed.any(-1)  # [b, 1, t]
@@ -167,6 +180,7 @@ def seq_mesh(n: int):
 
 def check_against_reference(mode: str, case: Case) -> None:
     q, k, v, w_out, w_lse, valid = make_inputs(case)
+    segs = make_segments(case)
     sharded = functools.partial(
         sharded_attention,
         mesh=seq_mesh(case.n),
@@ -176,10 +190,12 @@ def check_against_reference(mode: str, case: Case) -> None:
         key_chunk=case.key_chunk,
         causal=case.causal,
         layout=case.layout,
+        segment_ids=segs,
     )
     got = outputs_and_grads(sharded, q, k, v, w_out, w_lse)
     want = outputs_and_grads(
-        lambda q, k, v: reference_attention(q, k, v, valid, case.causal), q, k, v, w_out, w_lse
+        lambda q, k, v: reference_attention(q, k, v, valid, case.causal, segs),
+        *(q, k, v, w_out, w_lse),
     )
     got, want = (jax.device_get(x) for x in (got, want))
     np.testing.assert_array_equal(got[1] == MASK_VALUE, want[1] == MASK_VALUE)
@@ -201,6 +217,7 @@ def check_against_reference(mode: str, case: Case) -> None:
 @example(case=Case(4, 1, 2, 13, 2, 4, "random", 5, key_chunk=3, causal=True, layout="zigzag"))
 @example(case=Case(3, 1, 1, 17, 2, 8, "none", 15, causal=True, layout="striped"))
 @example(case=Case(4, 1, 2, 11, 4, 4, "random", 17, key_chunk=2, causal=True, kv_heads=2))  # GQA
+@example(case=Case(4, 1, 2, 16, 2, 4, "random", 22, causal=True, layout="zigzag", segments=True))
 def test_ring_matches_reference(case: Case) -> None:
     check_against_reference("ring", case)
 
@@ -210,6 +227,7 @@ def test_ring_matches_reference(case: Case) -> None:
 @example(case=Case(4, 4, 2, 13, 4, 4, "random", 8, causal=True))
 @example(case=Case(2, 2, 1, 7, 2, 4, "none", 16, causal=True, layout="zigzag"))
 @example(case=Case(4, 4, 1, 9, 8, 4, "random", 18, causal=True, kv_heads=2))  # h_kv < n
+@example(case=Case(4, 4, 2, 13, 4, 4, "random", 23, causal=True, segments=True))
 @example(case=Case(4, 4, 2, 8, 4, 4, "empty_row", 19, kv_heads=1))  # MQA
 def test_ulysses_matches_reference(case: Case) -> None:
     check_against_reference("ulysses", case)
@@ -222,6 +240,7 @@ def test_ulysses_matches_reference(case: Case) -> None:
 @example(case=Case(8, 2, 1, 17, 4, 4, "random", 9, key_chunk=2, causal=True))  # causal hybrid
 @example(case=Case(4, 2, 2, 13, 2, 4, "random", 10, causal=True, layout="zigzag"))
 @example(case=Case(8, 4, 1, 16, 8, 4, "random", 20, causal=True, layout="zigzag", kv_heads=2))
+@example(case=Case(4, 2, 2, 12, 4, 4, "none", 24, causal=True, segments=True, kv_heads=2))
 def test_usp_matches_reference(case: Case) -> None:
     check_against_reference("usp", case)
 
@@ -662,3 +681,11 @@ def test_gqa_rejects_heads_not_divisible() -> None:
     q, k, v, *_ = make_inputs(Case(1, 1, 1, 4, 4, 4, "none", 0, kv_heads=4))
     with pytest.raises(ValueError, match=r"query heads \(4\) divisible by the key/value heads"):
         attention_local(q, k[:, :, :3], v[:, :, :3])
+
+
+def test_segment_ids_of_the_wrong_shape_or_dtype_are_refused() -> None:
+    q, k, v, *_ = make_inputs(Case(1, 1, 2, 4, 1, 4, "none", 0))
+    with pytest.raises(ValueError, match=r"segment_ids must be an integer array of shape \[2, 4\]"):
+        attention_local(q, k, v, segment_ids=jnp.zeros((2, 4), jnp.float32))
+    with pytest.raises(ValueError, match=r"got int32 \(2, 3\)"):
+        attention_local(q, k, v, segment_ids=jnp.zeros((2, 3), jnp.int32))

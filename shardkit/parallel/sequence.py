@@ -71,13 +71,14 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from shardkit.mesh import AXES, PlanError
 from shardkit.parallel import layouts
@@ -93,20 +94,44 @@ KEY_CHUNK = 512  # default most keys per chunk inside one ring hop (see attentio
 
 Block = Float[Array, "b t h k"]
 KeyValid = Bool[Array, "b s"] | Bool[Array, " s"] | None
+Segments = Int[Array, "b t"] | None
 Lse = Float[Array, "b h t"]
 # Running softmax state of one query block: max m [b,h,q], sum l [b,h,q], unnormalised acc
 # [b,q,h,k]; all float32.
 _Stats = tuple[Array, Array, Array]
-# A key/value block with its key mask and, for causal attention, its keys' global positions:
-# k, v [b, s, h, k], key_valid [(b,) s] or None, key_pos [s] int32 or None.
-_KV = tuple[Array, Array, Array | None, Array | None]
-_Attention = Callable[[Array, Array, Array, Array | None], tuple[Array, Array]]
+# A key/value block with its key mask, for causal attention its keys' global positions, and
+# for packed sequences its keys' segment ids: k, v [b, s, h_kv, k], key_valid [(b,) s] or None,
+# key_pos [s] int32 or None, key_seg [b, s] int or None.
+_KV = tuple[Array, Array, Array | None, Array | None, Array | None]
+
+
+# The ring's data masks, which travel with their K/V block: (key_valid, segment_ids).
+_Masks = tuple[Array | None, Array | None]
+
+
+class _Queries(NamedTuple):
+    """What the mask needs of a query block: global positions [t] (causal) and segment ids
+    [b, t] (packed sequences), each None when unused."""
+
+    pos: Array | None = None
+    seg: Array | None = None
+
+    def at(self, r: slice) -> _Queries:
+        return _Queries(
+            None if self.pos is None else self.pos[r], None if self.seg is None else self.seg[:, r]
+        )
+
+
+# inner(q, k, v, key_valid, segment_ids) on Ulysses-gathered tokens -> (out, lse)
+_Attention = Callable[[Array, Array, Array, Array | None, Array | None], tuple[Array, Array]]
 
 
 # ----------------------------------------------------------------------------- block math
 
 
-def _check_blocks(q: Array, k: Array, v: Array, key_valid: Array | None) -> None:
+def _check_blocks(
+    q: Array, k: Array, v: Array, key_valid: Array | None, segment_ids: Array | None = None
+) -> None:
     """Raises ValueError unless q [b,t,h,k], k = v [b,s,h_kv,k] with h_kv dividing h (grouped-
     query attention; h_kv = h is multi-head, 1 multi-query), key_valid [b,s] | [s] bool."""
     b, s, h_kv, d = k.shape if k.ndim == 4 else (None,) * 4
@@ -128,6 +153,16 @@ def _check_blocks(q: Array, k: Array, v: Array, key_valid: Array | None) -> None
         raise ValueError(
             f"key_valid must be a bool array of shape [{b}, {s}] or [{s}]; "
             f"got {key_valid.dtype} {key_valid.shape}."
+        )
+    if segment_ids is not None and (
+        not jnp.issubdtype(segment_ids.dtype, jnp.integer)
+        or segment_ids.shape != (b, s)
+        or q.shape[1] != s
+    ):
+        raise ValueError(
+            f"segment_ids must be an integer array of shape [{b}, {s}] (one id per token of "
+            f"equal query and key blocks); got {segment_ids.dtype} {segment_ids.shape} with "
+            f"{q.shape[1]} queries."
         )
 
 
@@ -160,16 +195,24 @@ def _check_num_valid(num_valid: int | None) -> None:
         raise ValueError(f"num_valid must be a non-negative int or None; got {num_valid!r}.")
 
 
-def _mask(key_valid: Array | None, q_pos: Array | None, key_pos: Array | None) -> Array | None:
+def _mask(
+    key_valid: Array | None,
+    queries: _Queries,
+    key_pos: Array | None,
+    key_seg: Array | None = None,
+) -> Array | None:
     """The allowed (query, key) pairs, broadcastable to logits [b, h, q, s], or None (all).
 
     ``key_valid`` [(b,) s] masks keys; with global positions (causal) a query at position i
     sees the keys at positions ≤ i. Positions are computed on every device: nothing travels.
     """
     mask = None if key_valid is None else _key_mask(key_valid)
-    if key_pos is None or q_pos is None:
+    if key_seg is not None and queries.seg is not None:  # packed: same segment only
+        same = (queries.seg[:, :, None] == key_seg[:, None, :])[:, None]
+        mask = same if mask is None else mask & same
+    if key_pos is None or queries.pos is None:
         return mask
-    causal = (q_pos[:, None] >= key_pos[None, :])[None, None]
+    causal = (queries.pos[:, None] >= key_pos[None, :])[None, None]
     return causal if mask is None else mask & causal
 
 
@@ -276,9 +319,7 @@ def _chunk_size(s: int, key_chunk: int | None) -> int:
     return max(1, -(-s // chunks))
 
 
-def _tiles(
-    s: int, key_chunk: int | None, causal: bool, layout: str, group: int
-) -> tuple[int, int]:
+def _tiles(s: int, key_chunk: int | None, causal: bool, layout: str, group: int) -> tuple[int, int]:
     """(keys per chunk, query tiles) of a ring block of s tokens.
 
     Causal zigzag: a block is 2·group contiguous runs of positions; tiling queries and keys
@@ -292,7 +333,12 @@ def _tiles(
 
 
 def _key_chunks(
-    k: Array, v: Array, key_valid: Array | None, key_pos: Array | None, chunk: int
+    k: Array,
+    v: Array,
+    key_valid: Array | None,
+    key_pos: Array | None,
+    key_seg: Array | None,
+    chunk: int,
 ) -> _KV:
     """k, v [b, s, h, d] -> [n_c, b, c, h, d], key_valid [(b,) s] -> [n_c, (b,) c] and
     key_pos [s] -> [n_c, c], c = chunk.
@@ -313,11 +359,14 @@ def _key_chunks(
     if key_pos is not None:  # padded keys sit in the far future: never visible, never kept
         far = np.iinfo(np.int32).max
         key_pos = jnp.pad(key_pos, (0, -key_pos.shape[0] % chunk), constant_values=far)
+    if key_seg is not None:  # padded keys are masked by key_valid whatever their segment
+        key_seg, _ = pad_tokens(key_seg, chunk, axis=-1)
     return (
         split(k, 1),
         split(v, 1),
         None if key_valid is None else split(key_valid, -1),
         None if key_pos is None else split(key_pos, 0),
+        None if key_seg is None else split(key_seg, -1),
     )
 
 
@@ -347,8 +396,9 @@ def _no_stats(q: Array, kv: _KV) -> _Stats:
     return m, row_sum, acc
 
 
-def _visible(q_pos: Array | None, key_pos: Array | None) -> Array | None:
+def _visible(queries: _Queries, key_pos: Array | None) -> Array | None:
     """Causal: does any query of the tile see any of its keys? (None: not causal, always.)"""
+    q_pos = queries.pos
     return None if q_pos is None or key_pos is None else q_pos.max() >= key_pos.min()
 
 
@@ -358,14 +408,14 @@ def _query_slices(t: int, q_chunks: int) -> list[slice]:
     return [slice(i * size, (i + 1) * size) for i in range(q_chunks)]
 
 
-def _attend_tile(stats: _Stats, q: Array, q_pos: Array | None, kv: _KV, chunk: int) -> _Stats:
+def _attend_tile(stats: _Stats, q: Array, q_pos: _Queries, kv: _KV, chunk: int) -> _Stats:
     """``_attend`` for one query tile; causal key chunks it cannot see are skipped (lax.cond)."""
 
     def step(stats: _Stats, kv_chunk: _KV) -> tuple[_Stats, None]:
-        k, v, valid, pos = kv_chunk
+        k, v, valid, pos, seg = kv_chunk
 
         def compute(stats: _Stats) -> _Stats:
-            return _merge(stats, _block_stats(q, k, v, _mask(valid, q_pos, pos)))
+            return _merge(stats, _block_stats(q, k, v, _mask(valid, q_pos, pos, seg)))
 
         visible = _visible(q_pos, pos)
         if visible is None:
@@ -377,7 +427,7 @@ def _attend_tile(stats: _Stats, q: Array, q_pos: Array | None, kv: _KV, chunk: i
 
 
 def _attend(
-    stats: _Stats, q: Array, q_pos: Array | None, kv: _KV, chunk: int, q_chunks: int = 1
+    stats: _Stats, q: Array, q_pos: _Queries, kv: _KV, chunk: int, q_chunks: int = 1
 ) -> _Stats:
     """``stats`` merged with q's statistics against the block kv = (k, v, key_valid, key_pos).
 
@@ -390,21 +440,17 @@ def _attend(
         return _attend_tile(stats, q, q_pos, kv, chunk)
     m, row_sum, acc = stats
     tiles = [
-        _attend_tile((m[..., r], row_sum[..., r], acc[:, r]), q[:, r], _at(q_pos, r), kv, chunk)
+        _attend_tile((m[..., r], row_sum[..., r], acc[:, r]), q[:, r], q_pos.at(r), kv, chunk)
         for r in _query_slices(q.shape[1], q_chunks)
     ]
     ms, sums, accs = zip(*tiles, strict=True)
     return jnp.concatenate(ms, -1), jnp.concatenate(sums, -1), jnp.concatenate(accs, 1)
 
 
-def _at(x: Array | None, r: slice) -> Array | None:
-    return None if x is None else x[r]
-
-
 def _attend_grads_tile(
     dq: Array,
     q: Array,
-    q_pos: Array | None,
+    q_pos: _Queries,
     kv: _KV,
     chunk: int,
     d_out: Array,
@@ -415,15 +461,15 @@ def _attend_grads_tile(
     f32 = jnp.float32
 
     def step(dq: Array, kv_chunk: _KV) -> tuple[Array, tuple[Array, Array]]:
-        k, v, valid, pos = kv_chunk
+        k, v, valid, pos, seg = kv_chunk
 
         def compute(dq: Array) -> tuple[Array, tuple[Array, Array]]:
-            mask = _mask(valid, q_pos, pos)
+            mask = _mask(valid, q_pos, pos, seg)
             dq_c, dk_c, dv_c = _block_grads(q, k, v, mask, d_out, lse, delta)
             return dq + dq_c, (dk_c, dv_c)
 
         def skip(dq: Array) -> tuple[Array, tuple[Array, Array]]:
-            like = (q, k, v, valid, pos, q_pos, d_out, lse, delta)
+            like = (q, k, v, valid, pos, seg, *q_pos, d_out, lse, delta)
             zero = (_varying_as(jnp.zeros(x.shape, f32), *like) for x in (k, v))
             return dq, tuple(zero)  # type: ignore[return-value]
 
@@ -440,7 +486,7 @@ def _attend_grads_tile(
 def _attend_grads(
     dq: Array,
     q: Array,
-    q_pos: Array | None,
+    q_pos: _Queries,
     kv: _KV,
     chunk: int,
     d_out: Array,
@@ -457,7 +503,7 @@ def _attend_grads(
         return _attend_grads_tile(dq, q, q_pos, kv, chunk, d_out, lse, delta)
     tiles = [
         _attend_grads_tile(
-            dq[:, r], q[:, r], _at(q_pos, r), kv, chunk, d_out[:, r], lse[..., r], delta[..., r]
+            dq[:, r], q[:, r], q_pos.at(r), kv, chunk, d_out[:, r], lse[..., r], delta[..., r]
         )
         for r in _query_slices(q.shape[1], q_chunks)
     ]
@@ -469,7 +515,13 @@ def _attend_grads(
 
 
 def attention_local(
-    q: Block, k: Block, v: Block, key_valid: KeyValid = None, *, causal: bool = False
+    q: Block,
+    k: Block,
+    v: Block,
+    key_valid: KeyValid = None,
+    *,
+    causal: bool = False,
+    segment_ids: Segments = None,
 ) -> tuple[Block, Lse]:
     """Masked softmax attention on whole local blocks (no communication; plain autodiff).
 
@@ -477,14 +529,17 @@ def attention_local(
       q: queries [b, t, h, k]; k, v: keys and values [b, s, h, k] (same dtype as q).
       key_valid: bool [b, s] or [s], True for real keys; None means all keys are real.
       causal: query i sees keys 0..i only (positions from 0 in both blocks).
+      segment_ids: int [b, t] (t = s) for packed sequences: a query sees only the keys of its
+        own segment (ANDed with the other masks), or None.
 
     Returns:
       out [b, t, h, k] in q's dtype (zeros for a query with no valid key) and the float32
       log-sum-exp of its logits, lse [b, h, t] (MASK_VALUE for a query with no valid key).
     """
-    _check_blocks(q, k, v, key_valid)
+    _check_blocks(q, k, v, key_valid, segment_ids)
     q_pos, key_pos = (jnp.arange(x.shape[1]) if causal else None for x in (q, k))
-    return _finish(_block_stats(q, k, v, _mask(key_valid, q_pos, key_pos)), q.dtype)
+    mask = _mask(key_valid, _Queries(q_pos, segment_ids), key_pos, segment_ids)
+    return _finish(_block_stats(q, k, v, mask), q.dtype)
 
 
 # ----------------------------------------------------------------------------- ring
@@ -506,15 +561,15 @@ def _ring_table(layout: str, n: int, group: int, t: int) -> Array:
 
 
 def _hop_block(
-    kv: tuple[Array, Array, Array | None],
+    kv: tuple[Array, Array, Array | None, Array | None],
     step: Array | int,
     axis: str,
     num_valid: int | None,
     causal: bool,
     table: Array,
 ) -> _KV:
-    """kv = (k, v, key_valid) with the padding mask (and, causal, the key positions) of the
-    block held after ``step`` hops.
+    """kv = (k, v, key_valid, key_seg), as it travels, with the padding mask (and, causal, the
+    key positions) of the block held after ``step`` hops.
 
     That block started on device (i − step) mod n of the ring over ``axis``; ``table`` gives
     its keys' global positions. Computed locally: no communication.
@@ -522,19 +577,19 @@ def _hop_block(
     n, s = jax.lax.axis_size(axis), kv[0].shape[1]
     key_pos = table[(jax.lax.axis_index(axis) - step) % n]
     valid = _and_valid(kv[2], _positions_valid(key_pos, num_valid, n * s))
-    return kv[0], kv[1], valid, key_pos if causal else None
+    return kv[0], kv[1], valid, key_pos if causal else None, kv[3]
 
 
-def _query_positions(axis: str, causal: bool, table: Array) -> Array | None:
-    """Global positions [t] of this device's queries on the ring over ``axis`` (causal only)."""
-    return table[jax.lax.axis_index(axis)] if causal else None
+def _ring_queries(axis: str, causal: bool, table: Array, segment_ids: Array | None) -> _Queries:
+    """This device's queries on the ring over ``axis``: global positions (causal) and segments."""
+    return _Queries(table[jax.lax.axis_index(axis)] if causal else None, segment_ids)
 
 
 def _ring_forward(
     q: Array,
     k: Array,
     v: Array,
-    key_valid: Array | None,
+    masks: _Masks,
     axis: str,
     chunk: int,
     num_valid: int | None,
@@ -542,23 +597,24 @@ def _ring_forward(
     layout: tuple[str, int],
 ) -> tuple[Array, Array]:
     """(out, lse): K/V blocks travel the ring; each is attended ``chunk`` keys at a time."""
+    key_valid, segment_ids = masks
     n = jax.lax.axis_size(axis)
     tiles = _tiles(k.shape[1], chunk, causal, *layout)[1]
     table = _ring_table(layout[0], n, layout[1], k.shape[1])
     block = functools.partial(
         _hop_block, axis=axis, num_valid=num_valid, causal=causal, table=table
     )
-    q_pos = _query_positions(axis, causal, table)
+    q_pos = _ring_queries(axis, causal, table, segment_ids)
     attend = functools.partial(_attend, q=q, q_pos=q_pos, chunk=chunk, q_chunks=tiles)
 
     def hop(carry: tuple[_Stats, tuple], step: Array) -> tuple[tuple[_Stats, tuple], None]:
         stats, kv = carry
-        # Pass the K/V block (and a key_valid array, if any) one step round the ring: after j
+        # Pass the K/V block (with key_valid, segment ids if any) one step round the ring: after j
         # hops this device holds the block that started on device i − j.
         kv = jax.lax.ppermute(kv, axis, _ring_perm(n))
         return (attend(stats, kv=block(kv, step)), kv), None
 
-    kv = (k, v, key_valid)
+    kv = (k, v, key_valid, segment_ids)
     stats = attend(_no_stats(q, block(kv, 0)), kv=block(kv, 0))
     if n > 1:
         (stats, _), _ = jax.lax.scan(hop, (stats, kv), jnp.arange(1, n))
@@ -577,6 +633,7 @@ def attention_ring_autodiff(
     num_valid: int | None = None,
     causal: bool = False,
     layout: str = "contiguous",
+    segment_ids: Segments = None,
 ) -> tuple[Block, Lse]:
     """Ring attention forward, differentiated by plain JAX autodiff: the memory BASELINE.
 
@@ -586,9 +643,11 @@ def attention_ring_autodiff(
     other way round the ring; use ``attention_ring``, whose hand-written backward saves only
     q, k, v, out and lse.
     """
-    _check_ring(q, k, v, key_valid, num_valid, causal)
+    _check_ring(q, k, v, key_valid, num_valid, causal, segment_ids)
     chunk = _tiles(k.shape[1], key_chunk, causal, layout, 1)[0]
-    return _ring_forward(q, k, v, key_valid, axis, chunk, num_valid, causal, (layout, 1))
+    return _ring_forward(
+        q, k, v, (key_valid, segment_ids), axis, chunk, num_valid, causal, (layout, 1)
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
@@ -596,29 +655,29 @@ def _ring(
     q: Array,
     k: Array,
     v: Array,
-    key_valid: Array | None,
+    masks: _Masks,
     axis: str,
     chunk: int,
     num_valid: int | None,
     causal: bool,
     layout: tuple[str, int],
 ) -> tuple[Array, Array]:
-    return _ring_forward(q, k, v, key_valid, axis, chunk, num_valid, causal, layout)
+    return _ring_forward(q, k, v, masks, axis, chunk, num_valid, causal, layout)
 
 
 def _ring_fwd(
     q: Array,
     k: Array,
     v: Array,
-    key_valid: Array | None,
+    masks: _Masks,
     axis: str,
     chunk: int,
     num_valid: int | None,
     causal: bool,
     layout: tuple[str, int],
 ) -> tuple[tuple[Array, Array], tuple]:
-    out, lse = _ring_forward(q, k, v, key_valid, axis, chunk, num_valid, causal, layout)
-    return (out, lse), (q, k, v, key_valid, out, lse)
+    out, lse = _ring_forward(q, k, v, masks, axis, chunk, num_valid, causal, layout)
+    return (out, lse), (q, k, v, masks, out, lse)
 
 
 def _ring_bwd(
@@ -630,13 +689,14 @@ def _ring_bwd(
     res: tuple,
     cts: tuple[Array, Array],
 ) -> tuple:
-    q, k, v, key_valid, out, lse = res
+    q, k, v, masks, out, lse = res
+    key_valid, segment_ids = masks
     d_out, d_lse = cts
     f32 = jnp.float32
     delta = _bhq_to_bqh(jnp.sum(d_out.astype(f32) * out.astype(f32), -1)) - d_lse
     n = jax.lax.axis_size(axis)
     table = _ring_table(layout[0], n, layout[1], k.shape[1])
-    q_pos = _query_positions(axis, causal, table)
+    q_pos = _ring_queries(axis, causal, table, segment_ids)
     tiles = _tiles(k.shape[1], chunk, causal, *layout)[1]
     grads = functools.partial(
         _attend_grads,
@@ -654,19 +714,19 @@ def _ring_bwd(
 
     def hop(carry: tuple, step: Array) -> tuple[tuple, None]:
         dq, kv, dkv = carry
-        # K, V (a key_valid array, if any) and their gradient accumulators travel together.
+        # K, V (key_valid, segment ids if any) and their gradient accumulators travel together.
         kv, (dk, dv) = jax.lax.ppermute((kv, dkv), axis, _ring_perm(n))
         dq, dk_blk, dv_blk = grads(dq, kv=block(kv, step))
         return (dq, kv, (dk + dk_blk, dv + dv_blk)), None
 
-    kv = (k, v, key_valid)
+    kv = (k, v, key_valid, segment_ids)
     dq = _varying_as(jnp.zeros(q.shape, f32), q, *block(kv, 0), d_out, lse, delta)
     dq, dk, dv = grads(dq, kv=block(kv, 0))
     if n > 1:
         (dq, _, (dk, dv)), _ = jax.lax.scan(hop, (dq, kv, (dk, dv)), jnp.arange(1, n))
         # n-th hop for dK, dV only: each accumulator returns to the device that owns its block.
         dk, dv = jax.lax.ppermute((dk, dv), axis, _ring_perm(n))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), (None, None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -684,6 +744,7 @@ def attention_ring(
     num_valid: int | None = None,
     causal: bool = False,
     layout: str = "contiguous",
+    segment_ids: Segments = None,
 ) -> tuple[Block, Lse]:
     """Ring attention over mesh axis ``axis`` with a memory-lean hand-written backward.
 
@@ -715,14 +776,17 @@ def attention_ring(
       layout: which global positions each device holds (``layouts.LAYOUTS``): "contiguous",
         or "zigzag" / "striped", which balance a causal mask's work over the ring; permute
         global arrays with ``layouts.to_layout`` first. Positions also place ``num_valid``.
+      segment_ids: local int [b, t] for packed sequences: a query sees only keys of its own
+        segment. Data: the key block's ids travel round the ring with it (b·t ints a hop).
 
     Returns:
       out [b, t, h, k] (q's dtype) and lse [b, h, t] (float32), equal to attention over the
       whole sequence; see ``attention_local`` for rows without a valid key.
     """
-    _check_ring(q, k, v, key_valid, num_valid, causal)
+    _check_ring(q, k, v, key_valid, num_valid, causal, segment_ids)
     chunk = _tiles(k.shape[1], key_chunk, causal, layout, 1)[0]
-    return _ring(q, k, v, key_valid, axis, chunk, num_valid, causal, (layout, 1))
+    masks = (key_valid, segment_ids)
+    return _ring(q, k, v, masks, axis, chunk, num_valid, causal, (layout, 1))
 
 
 def _attention_ring_grouped(
@@ -736,18 +800,26 @@ def _attention_ring_grouped(
     causal: bool,
     layout: str,
     group: int,
+    segment_ids: Segments = None,
 ) -> tuple[Block, Lse]:
     """``attention_ring`` whose blocks each hold ``group`` consecutive shards of ``layout``
     (USP's ring after its all-to-all over a Ulysses axis of size ``group``)."""
-    _check_ring(q, k, v, key_valid, num_valid, causal)
+    _check_ring(q, k, v, key_valid, num_valid, causal, segment_ids)
     chunk = _tiles(k.shape[1], key_chunk, causal, layout, group)[0]
-    return _ring(q, k, v, key_valid, axis, chunk, num_valid, causal, (layout, group))
+    masks = (key_valid, segment_ids)
+    return _ring(q, k, v, masks, axis, chunk, num_valid, causal, (layout, group))
 
 
 def _check_ring(
-    q: Array, k: Array, v: Array, key_valid: Array | None, num_valid: int | None, causal: bool
+    q: Array,
+    k: Array,
+    v: Array,
+    key_valid: Array | None,
+    num_valid: int | None,
+    causal: bool,
+    segment_ids: Array | None = None,
 ) -> None:
-    _check_blocks(q, k, v, key_valid)
+    _check_blocks(q, k, v, key_valid, segment_ids)
     _check_num_valid(num_valid)
     if causal and q.shape[1] != k.shape[1]:
         raise ValueError(
@@ -795,10 +867,16 @@ def _replicate_kv_heads(x: Array, n: int) -> Array:
 
 
 def _ulysses(
-    q: Array, k: Array, v: Array, key_valid: Array | None, axis: str, inner: _Attention
+    q: Array,
+    k: Array,
+    v: Array,
+    key_valid: Array | None,
+    segment_ids: Array | None,
+    axis: str,
+    inner: _Attention,
 ) -> tuple[Array, Array]:
     """Ulysses over ``axis`` around ``inner``, an attention over the gathered tokens."""
-    _check_blocks(q, k, v, key_valid)
+    _check_blocks(q, k, v, key_valid, segment_ids)
     _check_heads(q.shape[2], axis)
     k, v = (_replicate_kv_heads(x, jax.lax.axis_size(axis)) for x in (k, v))
     q_h, k_h, v_h = (seq_to_heads(x, axis) for x in (q, k, v))
@@ -806,7 +884,9 @@ def _ulysses(
         # Every device now needs every key's validity; a data mask must be gathered (it is
         # tiny). A padding mask passed as num_valid is computed locally instead.
         key_valid = jax.lax.all_gather(key_valid, axis, axis=key_valid.ndim - 1, tiled=True)
-    out, lse = inner(q_h, k_h, v_h, key_valid)
+    if segment_ids is not None:  # data too: every gathered token needs its segment id
+        segment_ids = jax.lax.all_gather(segment_ids, axis, axis=1, tiled=True)
+    out, lse = inner(q_h, k_h, v_h, key_valid, segment_ids)
     # lse[B, H_X, T] -> lse[B, H, T_X]: back to the token split of q.
     lse = jax.lax.all_to_all(lse, axis, split_axis=2, concat_axis=1, tiled=True)
     return heads_to_seq(out, axis), lse
@@ -823,6 +903,7 @@ def attention_ulysses(
     num_valid: int | None = None,
     causal: bool = False,
     layout: str = "contiguous",
+    segment_ids: Segments = None,
 ) -> tuple[Block, Lse]:
     """Ulysses (DeepSpeed) sequence parallelism over mesh axis ``axis`` of size n.
 
@@ -848,6 +929,8 @@ def attention_ulysses(
         all-to-all every device holds the whole sequence (in device order), so the mask is local.
       layout: the token layout over ``axis`` (see ``attention_ring``); Ulysses works on any,
         reading each gathered token's position from ``layouts.positions``.
+      segment_ids: local int [b, t] for packed sequences (a query sees its own segment's
+        keys only); all-gathered over ``axis``, like ``key_valid``.
 
     Returns:
       out [b, t, h, k] and lse [b, h, t] as ``attention_local`` on the whole sequence.
@@ -857,15 +940,18 @@ def attention_ulysses(
     """
     _check_num_valid(num_valid)
 
-    def local(q: Array, k: Array, v: Array, key_valid: Array | None) -> tuple[Array, Array]:
+    def local(
+        q: Array, k: Array, v: Array, key_valid: Array | None, segs: Array | None
+    ) -> tuple[Array, Array]:
         # Every device now holds all s keys in device order: masks from positions alone.
         n, s = jax.lax.axis_size(axis), k.shape[1]
         pos = jnp.asarray(layouts.positions(layout, n, s // n).reshape(-1))
         valid = _and_valid(key_valid, _positions_valid(pos, num_valid, s))
-        mask = _mask(valid, pos if causal else None, pos if causal else None)
+        key_pos = pos if causal else None
+        mask = _mask(valid, _Queries(key_pos, segs), key_pos, segs)
         return _finish(_block_stats(q, k, v, mask), q.dtype)
 
-    return _ulysses(q, k, v, key_valid, axis, local)
+    return _ulysses(q, k, v, key_valid, segment_ids, axis, local)
 
 
 # ----------------------------------------------------------------------------- USP
@@ -884,6 +970,7 @@ def attention_usp(
     num_valid: int | None = None,
     causal: bool = False,
     layout: str = "contiguous",
+    segment_ids: Segments = None,
 ) -> tuple[Block, Lse]:
     """Unified sequence parallelism: Ulysses over ``ulysses_axis``, ring over ``ring_axis``.
 
@@ -909,6 +996,8 @@ def attention_usp(
       causal: the query at global position i sees the keys at global position ≤ i; the
         ring's block r holds the shards r·u ... (r+1)·u − 1 of the layout.
       layout: the token layout over the n = r·u devices of (ring_axis, ulysses_axis).
+      segment_ids: local int [b, t] for packed sequences: all-gathered over the Ulysses axis,
+        then sent round the ring with K and V.
 
     Returns:
       out [b, t, h, k] and lse [b, h, t] as ``attention_local`` on the whole sequence.
@@ -916,12 +1005,14 @@ def attention_usp(
     _check_num_valid(num_valid)
     u = jax.lax.axis_size(ulysses_axis)
 
-    def ring(q: Array, k: Array, v: Array, key_valid: Array | None) -> tuple[Array, Array]:
+    def ring(
+        q: Array, k: Array, v: Array, key_valid: Array | None, segs: Array | None
+    ) -> tuple[Array, Array]:
         return _attention_ring_grouped(
-            q, k, v, key_valid, ring_axis, key_chunk, num_valid, causal, layout, u
+            q, k, v, key_valid, ring_axis, key_chunk, num_valid, causal, layout, u, segs
         )
 
-    return _ulysses(q, k, v, key_valid, ulysses_axis, ring)
+    return _ulysses(q, k, v, key_valid, segment_ids, ulysses_axis, ring)
 
 
 def usp_factor(seq_size: int, heads_local: int, ulysses: int | None = None) -> int:
@@ -997,23 +1088,20 @@ def _mode_plan(
 
 
 def _padded_inputs(
-    q: Array,
-    k: Array,
-    v: Array,
-    key_valid: Array | None,
-    n: int,
-    seq: str | tuple[str, ...],
-    layout: str,
-) -> tuple[tuple[Array, ...], tuple[P, ...]]:
-    """(q, k, v[, key_valid]) token-padded and permuted into ``layout``, and their in_specs;
-    padding needs no mask array."""
-    spec = P("data", seq, "model", None)
+    arrays: dict[str, Array | None], n: int, seq: str | tuple[str, ...], layout: str
+) -> tuple[dict[str, Array], dict[str, P]]:
+    """The given arrays (q, k, v, and key_valid / segment_ids if any) token-padded and permuted
+    into ``layout``, and their in_specs; padding needs no mask array."""
     multiple = layouts.multiple(layout, n)
-    args = tuple(layouts.to_layout(pad_tokens(x, multiple)[0], n, layout) for x in (q, k, v))
-    if key_valid is None:
-        return args, (spec, spec, spec)
-    valid = layouts.to_layout(pad_tokens(key_valid, multiple)[0], n, layout)
-    return (*args, valid), (spec, spec, spec, P("data", seq))
+    args = {
+        name: layouts.to_layout(pad_tokens(x, multiple)[0], n, layout)
+        for name, x in arrays.items()
+        if x is not None
+    }
+    specs = {
+        name: P("data", seq, *(("model", None) if x.ndim == 4 else ())) for name, x in args.items()
+    }
+    return args, specs
 
 
 def _check_global(q: Array, k: Array, mesh: Mesh) -> None:
@@ -1038,6 +1126,7 @@ def sharded_attention(
     num_valid: int | None = None,
     causal: bool = False,
     layout: str = "contiguous",
+    segment_ids: Int[Array, "b t"] | None = None,
 ) -> tuple[Float[Array, "b t h k"], Float[Array, "b h t"]]:
     """Sequence-parallel attention on global arrays: pads, runs ``shard_map``, slices back.
 
@@ -1059,6 +1148,8 @@ def sharded_attention(
         token, so it changes no real query's keys). Needs t = s.
       layout: the token layout on the devices (``layouts.LAYOUTS``): the arrays are permuted
         into it before ``shard_map`` and back after, so results are in sequence order.
+      segment_ids: optional int [b, t] (t = s) for packed sequences: a query sees only the
+        keys of its own segment (data: it travels like ``key_valid``).
 
     Returns:
       out [b, t, h, k] and float32 lse [b, h, t], as ``attention_local`` on the whole arrays.
@@ -1071,20 +1162,30 @@ def sharded_attention(
     n, s = mesh.shape["seq"], k.shape[1]
     mesh, seq, attn = _mode_plan(mesh, mode, q.shape[2], ulysses, key_chunk)
     spec = P("data", seq, "model", None)
-    args, in_specs = _padded_inputs(q, k, v, key_valid, n, seq, layout)
+    given = {"q": q, "k": k, "v": v, "key_valid": key_valid, "segment_ids": segment_ids}
+    args, in_specs = _padded_inputs(given, n, seq, layout)
     num_valid = s if num_valid is None else min(num_valid, s)
 
-    def body(q: Array, k: Array, v: Array, key_valid: Array | None = None) -> tuple:
-        return attn(q, k, v, key_valid, num_valid=num_valid, causal=causal, layout=layout)
+    def body(a: dict[str, Array]) -> tuple:
+        return attn(
+            a["q"],
+            a["k"],
+            a["v"],
+            a.get("key_valid"),
+            num_valid=num_valid,
+            causal=causal,
+            layout=layout,
+            segment_ids=a.get("segment_ids"),
+        )
 
     sharded = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=in_specs,
+        in_specs=(in_specs,),
         out_specs=(spec, P("data", "model", seq)),
         check_vma=True,
     )
-    out, lse = sharded(*args)
+    out, lse = sharded(args)
     out, lse = layouts.from_layout(out, n, layout), layouts.from_layout(lse, n, layout, axis=2)
     return out[:, : q.shape[1]], lse[..., : q.shape[1]]
 
