@@ -3,6 +3,7 @@
   collectives  documented wrappers; ring / bidirectional versions built only from ppermute
   tensor       column / row-parallel dense, head-split attention, the TP MLP, Megatron f / g
   sequence     ring attention, Ulysses, USP (bidirectional or causal); token padding and masks
+               (ring: the ring itself; blockwise: the block math and attention_local)
   layouts      token layouts over a seq axis (contiguous, zigzag, striped) and their permutations
   data         gradient sync, gradient norms, FSDP gather, ZeRO-1
 """

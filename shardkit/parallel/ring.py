@@ -1,0 +1,347 @@
+"""Ring attention over one mesh axis: K/V blocks travel by ``ppermute``, nothing is gathered.
+
+``attention_ring`` (hand-written backward: saves q, k, v, out, lse) and
+``attention_ring_autodiff`` (the memory baseline), on any token layout, causal or not, with
+grouped-query heads and packed sequences; ``ring_work`` counts what a causal ring computes.
+Block math: ``shardkit.parallel.blockwise``; signatures and masks: ``shardkit.parallel.sequence``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from shardkit.parallel import layouts
+from shardkit.parallel.blockwise import (
+    _KV,
+    Block,
+    KeyValid,
+    Lse,
+    Segments,
+    _and_valid,
+    _attend,
+    _attend_grads,
+    _bhq_to_bqh,
+    _check_blocks,
+    _check_num_valid,
+    _finish,
+    _Masks,
+    _no_stats,
+    _positions_valid,
+    _Queries,
+    _query_slices,
+    _Stats,
+    _tiles,
+    _varying_as,
+)
+from shardkit.parallel.collectives import shard_map_primitive
+
+# ----------------------------------------------------------------------------- ring
+
+
+def _ring_perm(n: int) -> list[tuple[int, int]]:
+    return [(i, (i + 1) % n) for i in range(n)]
+
+
+def _ring_table(layout: str, n: int, group: int, t: int) -> Array:
+    """int32 [n, t]: the global positions of the block ring device j holds, per layout.
+
+    A ring block is ``group`` consecutive shards of ``layout`` over n·group shards of t/group
+    tokens (USP: the Ulysses degree; a plain ring: 1). A static table: nothing travels.
+    """
+    if t % group:
+        raise ValueError(f"a ring block of {t} tokens does not hold {group} whole shards.")
+    return jnp.asarray(layouts.positions(layout, n * group, t // group).reshape(n, t))
+
+
+def _hop_block(
+    kv: tuple[Array, Array, Array | None, Array | None],
+    step: Array | int,
+    axis: str,
+    num_valid: int | None,
+    causal: bool,
+    table: Array,
+) -> _KV:
+    """kv = (k, v, key_valid, key_seg), as it travels, with the padding mask (and, causal, the
+    key positions) of the block held after ``step`` hops.
+
+    That block started on device (i − step) mod n of the ring over ``axis``; ``table`` gives
+    its keys' global positions. Computed locally: no communication.
+    """
+    n, s = jax.lax.axis_size(axis), kv[0].shape[1]
+    key_pos = table[(jax.lax.axis_index(axis) - step) % n]
+    valid = _and_valid(kv[2], _positions_valid(key_pos, num_valid, n * s))
+    return kv[0], kv[1], valid, key_pos if causal else None, kv[3]
+
+
+def _ring_queries(axis: str, causal: bool, table: Array, segment_ids: Array | None) -> _Queries:
+    """This device's queries on the ring over ``axis``: global positions (causal) and segments."""
+    return _Queries(table[jax.lax.axis_index(axis)] if causal else None, segment_ids)
+
+
+def _ring_forward(
+    q: Array,
+    k: Array,
+    v: Array,
+    masks: _Masks,
+    axis: str,
+    chunk: int,
+    num_valid: int | None,
+    causal: bool,
+    layout: tuple[str, int],
+) -> tuple[Array, Array]:
+    """(out, lse): K/V blocks travel the ring; each is attended ``chunk`` keys at a time."""
+    key_valid, segment_ids = masks
+    n = jax.lax.axis_size(axis)
+    tiles = _tiles(k.shape[1], chunk, causal, *layout)[1]
+    table = _ring_table(layout[0], n, layout[1], k.shape[1])
+    block = functools.partial(
+        _hop_block, axis=axis, num_valid=num_valid, causal=causal, table=table
+    )
+    q_pos = _ring_queries(axis, causal, table, segment_ids)
+    attend = functools.partial(_attend, q=q, q_pos=q_pos, chunk=chunk, q_chunks=tiles)
+
+    def hop(carry: tuple[_Stats, tuple], step: Array) -> tuple[tuple[_Stats, tuple], None]:
+        stats, kv = carry
+        # Pass the K/V block (with key_valid, segment ids if any) one step round the ring: after j
+        # hops this device holds the block that started on device i − j.
+        kv = jax.lax.ppermute(kv, axis, _ring_perm(n))
+        return (attend(stats, kv=block(kv, step)), kv), None
+
+    kv = (k, v, key_valid, segment_ids)
+    stats = attend(_no_stats(q, block(kv, 0)), kv=block(kv, 0))
+    if n > 1:
+        (stats, _), _ = jax.lax.scan(hop, (stats, kv), jnp.arange(1, n))
+    return _finish(stats, q.dtype)
+
+
+@shard_map_primitive
+def attention_ring_autodiff(
+    q: Block,
+    k: Block,
+    v: Block,
+    key_valid: KeyValid = None,
+    axis: str = "seq",
+    *,
+    key_chunk: int | None = None,
+    num_valid: int | None = None,
+    causal: bool = False,
+    layout: str = "contiguous",
+    segment_ids: Segments = None,
+) -> tuple[Block, Lse]:
+    """Ring attention forward, differentiated by plain JAX autodiff: the memory BASELINE.
+
+    Same arguments, results, sharding signature and forward as ``attention_ring``. Autodiff
+    through the hop and chunk loops keeps every hop's probabilities [b, h, t_local, s_local]
+    (chunk by chunk) for backward, O(S²/n) per device, and sends the K/V cotangents back the
+    other way round the ring; use ``attention_ring``, whose hand-written backward saves only
+    q, k, v, out and lse.
+    """
+    _check_ring(q, k, v, key_valid, num_valid, causal, segment_ids)
+    chunk = _tiles(k.shape[1], key_chunk, causal, layout, 1)[0]
+    return _ring_forward(
+        q, k, v, (key_valid, segment_ids), axis, chunk, num_valid, causal, (layout, 1)
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _ring(
+    q: Array,
+    k: Array,
+    v: Array,
+    masks: _Masks,
+    axis: str,
+    chunk: int,
+    num_valid: int | None,
+    causal: bool,
+    layout: tuple[str, int],
+) -> tuple[Array, Array]:
+    return _ring_forward(q, k, v, masks, axis, chunk, num_valid, causal, layout)
+
+
+def _ring_fwd(
+    q: Array,
+    k: Array,
+    v: Array,
+    masks: _Masks,
+    axis: str,
+    chunk: int,
+    num_valid: int | None,
+    causal: bool,
+    layout: tuple[str, int],
+) -> tuple[tuple[Array, Array], tuple]:
+    out, lse = _ring_forward(q, k, v, masks, axis, chunk, num_valid, causal, layout)
+    return (out, lse), (q, k, v, masks, out, lse)
+
+
+def _ring_bwd(
+    axis: str,
+    chunk: int,
+    num_valid: int | None,
+    causal: bool,
+    layout: tuple[str, int],
+    res: tuple,
+    cts: tuple[Array, Array],
+) -> tuple:
+    q, k, v, masks, out, lse = res
+    key_valid, segment_ids = masks
+    d_out, d_lse = cts
+    f32 = jnp.float32
+    delta = _bhq_to_bqh(jnp.sum(d_out.astype(f32) * out.astype(f32), -1)) - d_lse
+    n = jax.lax.axis_size(axis)
+    table = _ring_table(layout[0], n, layout[1], k.shape[1])
+    q_pos = _ring_queries(axis, causal, table, segment_ids)
+    tiles = _tiles(k.shape[1], chunk, causal, *layout)[1]
+    grads = functools.partial(
+        _attend_grads,
+        q=q,
+        q_pos=q_pos,
+        chunk=chunk,
+        d_out=d_out,
+        lse=lse,
+        delta=delta,
+        q_chunks=tiles,
+    )
+    block = functools.partial(
+        _hop_block, axis=axis, num_valid=num_valid, causal=causal, table=table
+    )
+
+    def hop(carry: tuple, step: Array) -> tuple[tuple, None]:
+        dq, kv, dkv = carry
+        # K, V (key_valid, segment ids if any) and their gradient accumulators travel together.
+        kv, (dk, dv) = jax.lax.ppermute((kv, dkv), axis, _ring_perm(n))
+        dq, dk_blk, dv_blk = grads(dq, kv=block(kv, step))
+        return (dq, kv, (dk + dk_blk, dv + dv_blk)), None
+
+    kv = (k, v, key_valid, segment_ids)
+    dq = _varying_as(jnp.zeros(q.shape, f32), q, *block(kv, 0), d_out, lse, delta)
+    dq, dk, dv = grads(dq, kv=block(kv, 0))
+    if n > 1:
+        (dq, _, (dk, dv)), _ = jax.lax.scan(hop, (dq, kv, (dk, dv)), jnp.arange(1, n))
+        # n-th hop for dK, dV only: each accumulator returns to the device that owns its block.
+        dk, dv = jax.lax.ppermute((dk, dv), axis, _ring_perm(n))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), (None, None)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+@shard_map_primitive
+def attention_ring(
+    q: Block,
+    k: Block,
+    v: Block,
+    key_valid: KeyValid = None,
+    axis: str = "seq",
+    *,
+    key_chunk: int | None = None,
+    num_valid: int | None = None,
+    causal: bool = False,
+    layout: str = "contiguous",
+    segment_ids: Segments = None,
+) -> tuple[Block, Lse]:
+    """Ring attention over mesh axis ``axis`` with a memory-lean hand-written backward.
+
+    Each device keeps its query block; K/V blocks (with a ``key_valid`` array, if given)
+    travel the ring by ``ppermute`` for n − 1 hops and an online softmax (float32 running max
+    and sum) merges them. Backward saves only q, k, v, out and lse, recomputes each block's
+    probabilities, and sends dK, dV round the ring with their blocks (n hops: they end on their
+    owner). No all-gather anywhere. n = 1 communicates nothing. Bytes sent per device: forward
+    (n − 1)·(K + V [+ mask] blocks); backward (n − 1)·(K + V [+ mask]) + n·(dK + dV), the dK,
+    dV accumulators in float32 whatever the input dtype (their sum would lose bits in bfloat16).
+    Within a hop the keys are taken in chunks of c (flash-attention style, no communication),
+    so the float32 logits tile is [b, h, t_local, c]: memory O(S/n) for a fixed c.
+
+    Signature: q[B, T_X, H, K] · k, v[B, S_X, H, K] -> out[B, T_X, H, K], lse[B, H, T_X].
+
+    Args:
+      q: local queries [b, t, h, k]; k, v: local keys and values [b, s, h_kv, k] (h_kv
+        divides h: grouped-query; the K/V blocks that travel hold h_kv heads, so the ring's
+        bytes are h_kv / h of multi-head's).
+      key_valid: local bool data mask [b, s] or [s] (True = real key; it travels), or None.
+      axis: the mesh axis the sequence is split over.
+      key_chunk: most keys per chunk (None: ``KEY_CHUNK``); c is evened out over the fewest
+        chunks and the block padded to a multiple of c with masked keys.
+      num_valid: static; keys at global index (axis index · s + local) ≥ num_valid are padding,
+        masked from positions with no communication. ANDed with ``key_valid``.
+      causal: static; the query at global position i sees the keys at global position ≤ i
+        (t must equal s). The mask is computed from positions on every device: nothing extra
+        travels. Every hop still runs (on masked tiles for keys in the future).
+      layout: which global positions each device holds (``layouts.LAYOUTS``): "contiguous",
+        or "zigzag" / "striped", which balance a causal mask's work over the ring; permute
+        global arrays with ``layouts.to_layout`` first. Positions also place ``num_valid``.
+      segment_ids: local int [b, t] for packed sequences: a query sees only keys of its own
+        segment. Data: the key block's ids travel round the ring with it (b·t ints a hop).
+
+    Returns:
+      out [b, t, h, k] (q's dtype) and lse [b, h, t] (float32), equal to attention over the
+      whole sequence; see ``attention_local`` for rows without a valid key.
+    """
+    _check_ring(q, k, v, key_valid, num_valid, causal, segment_ids)
+    chunk = _tiles(k.shape[1], key_chunk, causal, layout, 1)[0]
+    masks = (key_valid, segment_ids)
+    return _ring(q, k, v, masks, axis, chunk, num_valid, causal, (layout, 1))
+
+
+def _attention_ring_grouped(
+    q: Block,
+    k: Block,
+    v: Block,
+    key_valid: KeyValid,
+    axis: str,
+    key_chunk: int | None,
+    num_valid: int | None,
+    causal: bool,
+    layout: str,
+    group: int,
+    segment_ids: Segments = None,
+) -> tuple[Block, Lse]:
+    """``attention_ring`` whose blocks each hold ``group`` consecutive shards of ``layout``
+    (USP's ring after its all-to-all over a Ulysses axis of size ``group``)."""
+    _check_ring(q, k, v, key_valid, num_valid, causal, segment_ids)
+    chunk = _tiles(k.shape[1], key_chunk, causal, layout, group)[0]
+    masks = (key_valid, segment_ids)
+    return _ring(q, k, v, masks, axis, chunk, num_valid, causal, (layout, group))
+
+
+def _check_ring(
+    q: Array,
+    k: Array,
+    v: Array,
+    key_valid: Array | None,
+    num_valid: int | None,
+    causal: bool,
+    segment_ids: Array | None = None,
+) -> None:
+    _check_blocks(q, k, v, key_valid, segment_ids)
+    _check_num_valid(num_valid)
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"causal ring attention needs query and key blocks of one length (global positions "
+            f"are block index · length); got {q.shape[1]} queries and {k.shape[1]} keys."
+        )
+
+
+def ring_work(layout: str, n: int, t: int, causal: bool, key_chunk: int | None = None) -> list[int]:
+    """Per device, the (query, key) pairs a ring over n devices of t tokens each computes.
+
+    Counted from the schedule ``attention_ring`` runs (its query tiles, key chunks and causal
+    skips), not from a trace: every hop's tiles that some query of the tile can see count in
+    full (their masked pairs are computed too). Bidirectional: n·t² on every device.
+    """
+    table = layouts.positions(layout, n, t)
+    chunk, q_chunks = _tiles(t, key_chunk, causal, layout, 1)
+    work = []
+    for i in range(n):
+        total = 0
+        for src in range(n):
+            keys = table[src]
+            for r in _query_slices(t, q_chunks):
+                for c in range(0, t, chunk):
+                    visible = not causal or table[i][r].max() >= keys[c : c + chunk].min()
+                    total += visible * (r.stop - r.start) * len(keys[c : c + chunk])
+        work.append(total)
+    return work
