@@ -49,7 +49,12 @@ def _add_plan_opts(p: argparse.ArgumentParser) -> None:
     g.add_argument("--devices", type=int, default=8, help="CPU devices (default 8)")
     g.add_argument("--mesh", help="e.g. data=2,seq=2,model=2 (omitted axes are 1)")
     g.add_argument("--sp", choices=("none", "megatron", "ring", "ulysses", "usp"))
-    g.add_argument("--ulysses", type=int, help="Ulysses factor of the seq axis for --sp usp")
+    g.add_argument(
+        "--ulysses",
+        type=int,
+        help="Ulysses factor of the seq axis for --sp usp, or for --sp megatron on a seq axis "
+        "(default there: a ring over seq)",
+    )
     g.add_argument("--fsdp", action="store_true", help="split params over data (ZeRO-3)")
     g.add_argument("--remat", action="store_true", help="recompute blocks (re-gather under FSDP)")
 

@@ -96,10 +96,11 @@ class Plan:
 
     Attributes:
       mesh: axis sizes ``{"data": A, "seq": B, "model": C}``.
-      sp: sequence-parallel mode: none, megatron (over ``model``), ring, ulysses or usp (over
-        ``seq``).
+      sp: sequence-parallel mode: none, megatron (over ``model``, and over ``seq`` too when the
+        mesh has one: attention then runs a ring or Ulysses core over seq), ring, ulysses or usp
+        (over ``seq``).
       ulysses: the Ulysses factor of the ``seq`` axis for ``sp="usp"`` (None: chosen
-        automatically).
+        automatically) or for ``sp="megatron"`` on a seq axis (None: a ring over seq).
       fsdp: split params (and optimizer state) over ``data``; gather before use (ZeRO-3).
       remat: recompute each block in backward; with FSDP the gathered weights are then not
         kept but gathered again.

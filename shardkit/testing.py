@@ -274,20 +274,25 @@ def sharded_cases(
     ``fsdp`` / ``remat``: None draws them. For ``usp`` the Ulysses degree u is drawn among the
     divisors of the seq size (heads per model shard then divide by u) and given explicitly or
     left to the automatic choice, so true hybrids (1 < u < seq) occur, not only the pure ends.
+    ``megatron`` draws a seq axis too (tokens over seq × model), with its inner core a ring
+    or, given u explicitly, Ulysses / USP.
     """
     sp = draw(st.sampled_from(sp_modes))
-    axes = ("data", "model") if sp in ("none", "megatron") else AXES
+    axes = ("data", "model") if sp == "none" else AXES
     mesh = draw(meshes(max_devices, axes))
     # A mode whose axis drew size 1 degenerates to plain TP/DP (still a valid, useful case).
     if (sp == "megatron" and mesh["model"] == 1) or (sp in SEQ_MODES and mesh["seq"] == 1):
-        sp = "none"
+        sp = "ring" if sp == "megatron" and mesh["seq"] > 1 else "none"
     use_fsdp = draw(st.booleans()) if fsdp is None else fsdp
     use_remat = draw(st.booleans()) if remat is None else remat
     ulysses = {"ulysses": mesh["seq"]}.get(sp, 1)
     explicit_ulysses = None
-    if sp == "usp":
+    if sp == "usp" or (sp == "megatron" and mesh["seq"] > 1):
+        # Megatron-SP over seq: a ring inside attention unless a Ulysses degree is given.
         ulysses = draw(st.sampled_from(_divisors(mesh["seq"])))
         explicit_ulysses = draw(st.sampled_from([None, ulysses]))
+        if sp == "megatron" and explicit_ulysses is None:
+            ulysses = 1
     heads_multiple = mesh["model"] * ulysses
     cfg = draw(vit_configs(heads_multiple, mesh["model"], mesh["data"] if use_fsdp else 1))
     batch = mesh["data"] * draw(st.integers(1, 2))

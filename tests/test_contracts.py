@@ -53,6 +53,14 @@ COMPOSITIONS = {
         GAP,
         Plan({"data": 2, "model": 4}, sp="megatron", fsdp=True, remat=True),
     ),
+    "Megatron-SP over seq × model, Ulysses inside, remat (padded)": (
+        CFG,
+        Plan({"data": 2, "seq": 2, "model": 2}, sp="megatron", ulysses=2, remat=True),
+    ),
+    "Megatron-SP over seq 4 × model 2, USP inside (padded)": (
+        CFG,
+        Plan({"seq": 4, "model": 2}, sp="megatron", ulysses=2),
+    ),
 }
 _REPORTS: dict[str, report.Report] = {}
 

@@ -93,6 +93,7 @@ PLANS = [
     Plan({"data": 2, "seq": 4}, sp="usp", ulysses=2),
     Plan({"data": 2, "seq": 2, "model": 2}, sp="ring"),
     Plan({"data": 2, "seq": 2, "model": 2}, sp="ulysses"),
+    Plan({"data": 2, "seq": 2, "model": 2}, sp="megatron"),
 ]
 
 
@@ -135,6 +136,22 @@ def test_megatron_sp_moves_tps_activation_bytes_when_tokens_divide():
         msp, "all-reduce", phase="forward"
     ) == pytest.approx(bytes_of(tp, phase="forward"))
     assert counts(msp)[("all-gather", ("model",))] == 4 * GAP.depth
+
+
+@pytest.mark.parametrize("inner", ["ring", "ulysses"])
+def test_megatron_sp_over_seq_gathers_only_its_seq_block(inner):
+    """Tokens over seq=2 × model=2: each TP region gathers T'/2 tokens over model (half the
+    bytes of Megatron-SP over model alone) and attention moves exactly what ``--sp inner``
+    moves on the same mesh, where the residual stream holds twice as many tokens."""
+    ulysses = 2 if inner == "ulysses" else None
+    msp = cost.expected(GAP, Plan({"seq": 2, "model": 2}, sp="megatron", ulysses=ulysses), 16)
+    alone = cost.expected(GAP, Plan({"model": 2}, sp="megatron"), 16)
+    plain = cost.expected(GAP, Plan({"seq": 2, "model": 2}, sp=inner), 16)
+    kind = {"ring": "collective-permute", "ulysses": "all-to-all"}[inner]
+    assert msp.summary()[(kind, ("seq",))] == plain.summary()[(kind, ("seq",))]
+    for tp in ("all-gather", "reduce-scatter"):
+        assert bytes_of(msp, tp) == pytest.approx(bytes_of(alone, tp) / 2)
+    assert cost.geometry(GAP, msp.plan, 16).token_axes == ("seq", "model")
 
 
 def test_tokens_are_padded_to_the_shard_count_and_masked_without_communication():

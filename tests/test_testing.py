@@ -185,6 +185,14 @@ def test_sharded_cases_reach_the_hard_cases() -> None:
             lambda c: c[1].sp == "usp" and layout(c).attention == "usp",  # type: ignore[attr-defined]
         ),
         "megatron with remat": (all_modes, lambda c: c[1].sp == "megatron" and c[1].remat),
+        "megatron over seq × model, ring inside": (
+            all_modes,
+            lambda c: c[1].sp == "megatron" and layout(c).attention == "ring",  # type: ignore[attr-defined]
+        ),
+        "megatron over seq × model, Ulysses or USP inside": (
+            all_modes,
+            lambda c: c[1].sp == "megatron" and layout(c).attention in ("ulysses", "usp"),  # type: ignore[attr-defined]
+        ),
     }
     for name, (strategy, condition) in wanted.items():
         found = find(strategy, condition, settings=FIND)

@@ -180,6 +180,14 @@ SP_EXAMPLES = {
         Plan({"data": 2, "model": 4}, sp="megatron", fsdp=True),
         4,
     ),
+    # Tokens over seq=2 × model=2 (5 -> 8: a shard of pure padding), a ring over seq inside.
+    "megatron ring": (vit(pool="tok"), Plan({"seq": 2, "model": 2}, sp="megatron", remat=True), 2),
+    # The same split with Ulysses over seq inside (heads 4 = model 2 × Ulysses 2), DP.
+    "megatron ulysses": (
+        vit(heads=4),
+        Plan({"data": 2, "seq": 2, "model": 2}, sp="megatron", ulysses=2),
+        2,
+    ),
 }
 
 
@@ -188,6 +196,8 @@ SP_EXAMPLES = {
 @example(case=SP_EXAMPLES["ulysses"])
 @example(case=SP_EXAMPLES["usp"])
 @example(case=SP_EXAMPLES["megatron"])
+@example(case=SP_EXAMPLES["megatron ring"])
+@example(case=SP_EXAMPLES["megatron ulysses"])
 def test_sequence_parallel_meshes_match_reference(case: Case) -> None:
     check_equal_to_reference(case)
 
@@ -312,7 +322,17 @@ PLAN_ERRORS = [
     (
         {},
         Plan({"seq": 2}, sp="ring", ulysses=2),
-        "--ulysses 2 only applies to sp='usp', not sp='ring'",
+        "--ulysses 2 only applies to sp='usp' or 'megatron', not sp='ring'",
+    ),
+    (
+        {},
+        Plan({"model": 2}, sp="megatron", ulysses=2),
+        "--ulysses 2 with sp='megatron' splits the seq axis, but the mesh has seq=1",
+    ),
+    (
+        {},
+        Plan({"seq": 4, "model": 2}, sp="megatron", ulysses=2),
+        "Ulysses degree 2 must divide both the seq axis size 4 and the local head count 3",
     ),
     (
         {},

@@ -1,7 +1,7 @@
 """Writes the measured part of every strategy page: the ledger of the compiled train step next
 to the cost model (``shardkit inspect``'s table) and its picture (``shardkit inspect --plot``).
 
-    python docs/measure/strategy_pages.py          # ~1 minute on 2 cores; compiles only
+    python docs/measure/strategy_pages.py [PAGE ...]   # all: ~1 minute on 2 cores; compiles only
 
 Model: the ``shardkit verify`` default (2 layers, width 64, 8 heads, MLP 128, 32×32 images in
 4×4 patches + a class token = 65 tokens), global batch 16, 8 CPU devices, AdamW. Output:
@@ -9,6 +9,7 @@ Model: the ``shardkit verify`` default (2 layers, width 64, 8 heads, MLP 128, 32
 """
 
 import pathlib
+import sys
 
 import shardkit
 
@@ -30,6 +31,8 @@ PAGES = {
     "tp": ("--mesh model=8", Plan({"model": 8})),
     "megatron_sp": ("--mesh data=2,model=4 --sp megatron",
                     Plan({"data": 2, "model": 4}, sp="megatron")),
+    "megatron_sp_seq": ("--mesh data=2,seq=2,model=2 --sp megatron",
+                        Plan({"data": 2, "seq": 2, "model": 2}, sp="megatron")),
     "ring": ("--mesh data=2,seq=4 --sp ring", Plan({"data": 2, "seq": 4}, sp="ring")),
     "ulysses": ("--mesh data=2,seq=4 --sp ulysses", Plan({"data": 2, "seq": 4}, sp="ulysses")),
     "usp": ("--mesh data=2,seq=4 --sp usp --ulysses 2",
@@ -37,9 +40,10 @@ PAGES = {
 }  # fmt: skip
 
 
-def main() -> None:
+def main(pages: list[str]) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    for page, (flags, plan) in PAGES.items():
+    for page in pages or PAGES:
+        flags, plan = PAGES[page]
         result = report.inspect(CFG, plan, 16)
         text = f"$ shardkit inspect {flags}\n{result.format()}\n"
         (OUT / f"{page}.txt").write_text(text)
@@ -49,4 +53,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

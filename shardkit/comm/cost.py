@@ -61,8 +61,8 @@ import jax
 import vit_ref
 from shardkit.comm.ledger import Tally
 from shardkit.mesh import AXES, Plan
-from shardkit.models.vit import check_plan
-from shardkit.parallel.sequence import SEQ_RING, SEQ_ULYSSES, USP_AXES, usp_factor
+from shardkit.models.vit import check_plan, ulysses_factor
+from shardkit.parallel.sequence import SEQ_RING, SEQ_ULYSSES, USP_AXES
 
 Axes = tuple[str, ...]
 Key = tuple[str, Axes]
@@ -251,9 +251,15 @@ class Geometry:
         return self.padded_tokens != self.cfg.num_tokens
 
     @property
+    def t_attn(self) -> int:
+        """Tokens per device inside attention: t, times n_model under Megatron-SP (gathered)."""
+        return self.t * (self.sizes["model"] if self.plan.sp == "megatron" else 1)
+
+    @property
     def block(self) -> int:
-        """E = b·t·h_X·k: elements of one local q, k or v block (and of out)."""
-        return self.b * self.t * (self.cfg.heads // self.plan.size("model")) * self.cfg.head_dim
+        """E = b·t_attn·h_X·k: elements of one local q, k or v block (and of out)."""
+        heads = self.cfg.heads // self.plan.size("model")
+        return self.b * self.t_attn * heads * self.cfg.head_dim
 
     def n(self, axes: Iterable[str]) -> int:
         return math.prod(self.sizes[a] for a in axes)
@@ -271,20 +277,18 @@ def geometry(cfg: vit_ref.ViTConfig, plan: Plan, batch: int, platform: str = "cp
     mesh_axes: Axes = AXES
     token_axes: Axes = ()
     attention, ring, ulysses = "local", None, None
-    if plan.sp == "megatron":
-        token_axes = ("model",)
-    elif plan.sp in ("ring", "ulysses", "usp"):
+    n_seq = plan.size("seq")
+    if n_seq > 1:
         token_axes = ("seq",)
-        n_seq = plan.size("seq")
-        u = n_seq if plan.sp == "ulysses" else 1
-        if plan.sp == "usp":
-            u = usp_factor(n_seq, cfg.heads // plan.size("model"), plan.ulysses)
+        u = ulysses_factor(cfg, plan)
         attention = "ring" if u == 1 else "ulysses" if u == n_seq else "usp"
         ring = "seq" if attention == "ring" else SEQ_RING if attention == "usp" else None
         ulysses = "seq" if attention == "ulysses" else SEQ_ULYSSES if attention == "usp" else None
         if attention == "usp":
             mesh_axes, token_axes = USP_AXES, (SEQ_RING, SEQ_ULYSSES)
             sizes = {**sizes, SEQ_RING: n_seq // u, SEQ_ULYSSES: u}
+    if plan.sp == "megatron":
+        token_axes = (*token_axes, "model")
     act = WORD if platform == "cpu" or cfg.dtype == "float32" else 2
     return Geometry(cfg, plan, batch, mesh_axes, sizes, token_axes, attention, ring, ulysses, act)
 
@@ -362,11 +366,14 @@ def _tp_terms(g: Geometry) -> list[Term]:
 
 
 def _megatron_sp_terms(g: Geometry) -> list[Term]:
-    """Megatron-SP: tokens split over X = model outside the TP regions, A' = b·T'·d.
+    """Megatron-SP: tokens split over X = model outside the TP regions, A' = b·T'_S·d.
 
-    Each region enters with ``x[b, T'_X, d] --AllGather--> x[b, T', d]`` and exits with
-    ``y[b, T', d]{U_X} --ReduceScatter--> y[b, T'_X, d]``: the bytes of Megatron's AllReduce
-    (AR = RS + AG) while LayerNorm and the residual stream work on T'/n tokens. Backward
+    T'_S = T'/n_seq: with a seq axis the residual stream is split over (seq, model) and each
+    region gathers only the model shards of its seq block (attention's ring / Ulysses over seq
+    then moves the same blocks E as in the other sp modes: ``_ring_terms``, ``_ulysses_terms``).
+    Each region enters with ``x[b, T'_SX, d] --AllGather--> x[b, T'_S, d]`` and exits with
+    ``y[b, T'_S, d]{U_X} --ReduceScatter--> y[b, T'_SX, d]``: the bytes of Megatron's AllReduce
+    (AR = RS + AG) while LayerNorm and the residual stream work on T'/(n_seq·n) tokens. Backward
     transposes each: AG <-> RS.
       forward  2·l × AG_X(A'·w) + 2·l × RS_X(A'·w);   backward the same: 8·l · (n−1)/n · A'·w
     remat: re-run attention's AG and RS (LN2 reads the residual) and the MLP's AG (the
@@ -376,7 +383,7 @@ def _megatron_sp_terms(g: Geometry) -> list[Term]:
     n = g.plan.size("model")
     if g.plan.sp != "megatron":
         return []
-    layers, full = g.cfg.depth, g.b * g.padded_tokens * g.cfg.dim
+    layers, full = g.cfg.depth, g.b * g.t_attn * g.cfg.dim
     ag = functools.partial(_term, g, "all-gather", ["model"])
     rs = functools.partial(_term, g, "reduce-scatter", ["model"])
     gather, scatter = all_gather_bytes(full * WORD, n), reduce_scatter_bytes(full * g.act, n)

@@ -18,8 +18,10 @@ Gradient collectives, all visible: params are cast to varying over the axes thei
 a partial sum over (``grad_sync_axes``), autodiff runs on those, and ``data.sync_grads``
 all-reduces once per axis set. FSDP leaves come back reduce-scattered instead (the transpose
 of their all-gather). TP reductions are Megatron's f/g (or all-gather/reduce-scatter pairs for
-sp="megatron"). The optimizer update runs outside the shard_map on arrays already sharded like
-their params, so it moves nothing.
+sp="megatron", whose residual stream holds T/(seq·model) tokens: each TP region gathers the
+model shards back to the seq split T_seq, and attention runs its ring / Ulysses / USP core over
+seq on those, exactly as the other sp modes do). The optimizer update runs outside the
+shard_map on arrays already sharded like their params, so it moves nothing.
 
 Token layout: T is padded to a multiple of the token-shard count (a ViT has patches + 1
 tokens); padded keys are masked in attention and excluded from pooling; ``gap`` divides by the
@@ -79,9 +81,9 @@ def check_plan(cfg: vit_ref.ViTConfig, plan: Plan, batch: int | None = None) -> 
             f"dim={cfg.dim} is not divisible by data={data} (FSDP splits the embed axis over data)",
         ),
         (
-            plan.sp in ("none", "megatron") and seq > 1,
-            f"sp={plan.sp!r} does not split tokens over seq, but the mesh has seq={seq}; "
-            "use --sp ring, ulysses or usp",
+            plan.sp == "none" and seq > 1,
+            f"sp='none' does not split tokens over seq, but the mesh has seq={seq}; "
+            "use --sp megatron, ring, ulysses or usp",
         ),
         (
             plan.sp == "megatron" and model == 1,
@@ -97,15 +99,34 @@ def check_plan(cfg: vit_ref.ViTConfig, plan: Plan, batch: int | None = None) -> 
             f"{cfg.heads // model}) divisible by seq={seq}",
         ),
         (
-            plan.ulysses is not None and plan.sp != "usp",
-            f"--ulysses {plan.ulysses} only applies to sp='usp', not sp={plan.sp!r}",
+            plan.ulysses is not None and plan.sp not in ("usp", "megatron"),
+            f"--ulysses {plan.ulysses} only applies to sp='usp' or 'megatron', not sp={plan.sp!r}",
+        ),
+        (
+            plan.ulysses is not None and plan.sp == "megatron" and seq == 1,
+            f"--ulysses {plan.ulysses} with sp='megatron' splits the seq axis, but the mesh has "
+            "seq=1",
         ),
     ]
     for failed, message in checks:
         if failed:
             raise PlanError(message + ".")
-    if plan.sp == "usp":
-        sp.usp_factor(seq, cfg.heads // model, plan.ulysses)
+    if plan.sp in ("usp", "megatron") and seq > 1:
+        ulysses_factor(cfg, plan)
+
+
+def ulysses_factor(cfg: vit_ref.ViTConfig, plan: Plan) -> int:
+    """The Ulysses degree u of the seq axis (the ring runs over the other seq/u).
+
+    ``usp``: ``--ulysses`` or the largest u the local heads allow; ``ulysses``: the whole seq
+    axis; ``megatron`` over seq: a ring (u = 1) unless ``--ulysses`` says otherwise; others 1.
+    """
+    seq, heads_local = plan.size("seq"), cfg.heads // plan.size("model")
+    if plan.sp == "ulysses":
+        return seq
+    if plan.sp == "usp" or (plan.sp == "megatron" and plan.ulysses is not None):
+        return sp.usp_factor(seq, heads_local, plan.ulysses)
+    return 1
 
 
 # ----------------------------------------------------------------------------- layout
@@ -117,7 +138,8 @@ class Layout:
 
     Attributes:
       mesh: the mesh the step runs on (for USP, ``sequence.usp_mesh``'s split of the seq axis).
-      token_axes: mesh axes the tokens are split over, major first (may be empty).
+      token_axes: mesh axes the tokens are split over, major first (may be empty); Megatron-SP
+        adds ``model`` last: each TP region all-gathers it, so attention sees the seq split.
       attention: "local", "ring", "ulysses" or "usp": the core run on local heads.
       num_tokens: true token count t; padded_tokens: t rounded up to the shard count.
     """
@@ -140,26 +162,29 @@ class Layout:
     def padded(self) -> bool:
         return self.padded_tokens != self.num_tokens
 
+    @property
+    def megatron(self) -> bool:
+        """Megatron-SP: tokens split over model outside the TP regions, gathered inside."""
+        return "model" in self.token_axes
+
 
 def make_layout(cfg: vit_ref.ViTConfig, plan: Plan, devices: Any = None) -> Layout:
     """The mesh and token split for ``plan`` (validated first)."""
     check_plan(cfg, plan)
     mesh = make_mesh(plan.mesh, devices)
-    seq, model = plan.size("seq"), plan.size("model")
+    seq = plan.size("seq")
     token_axes: tuple[str, ...] = ()
     attention = "local"
-    if plan.sp == "megatron":
-        token_axes = ("model",)
-    elif plan.sp in ("ring", "ulysses"):
-        token_axes, attention = ("seq",), plan.sp
-    elif plan.sp == "usp":
-        u = sp.usp_factor(seq, cfg.heads // model, plan.ulysses)
+    if seq > 1:
+        u = ulysses_factor(cfg, plan)
         # Degenerate factors are the pure modes; only a true hybrid needs the split mesh.
         attention = "ring" if u == 1 else "ulysses" if u == seq else "usp"
         if attention == "usp":
             mesh, token_axes = sp.usp_mesh(mesh, u), sp.USP_SEQ
         else:
             token_axes = ("seq",)
+    if plan.sp == "megatron":  # tokens also split over model outside the TP regions (minor)
+        token_axes = (*token_axes, "model")
     shards = math.prod(mesh.shape[a] for a in token_axes)
     padded = -(-cfg.num_tokens // shards) * shards
     return Layout(mesh, token_axes, attention, cfg.num_tokens, padded)
@@ -233,7 +258,7 @@ def _block_local(
     """One pre-LN block on local tokens with heads / MLP hidden split over ``model``."""
     dtype = ref.compute_dtype(cfg)
     model = "model" if lay.mesh.shape["model"] > 1 else None
-    token_dim = 1 if lay.token_axes == ("model",) else None  # Megatron-SP
+    token_dim = 1 if lay.megatron else None
     core = _attention_core(lay, key_valid)
     h = ref.layer_norm(x, p["ln1"])
     x = x + attention_tp(h, p["attn"], model, core, dtype, token_dim=token_dim).astype(x.dtype)
@@ -247,7 +272,7 @@ def _encoder_local(
     """lax.scan over the stacked layers; FSDP gathers each layer's weights inside the body."""
     dims = sharded.gather_dims(param_specs(cfg, plan)["blocks"], "data", drop_leading=1)
     key_valid = None  # sequence-parallel attention masks padding by position (num_valid)
-    if lay.token_axes == ("model",) and lay.padded:  # Megatron-SP attends over all tokens
+    if lay.megatron and lay.attention == "local" and lay.padded:  # attends over all tokens
         key_valid = jnp.arange(lay.padded_tokens) < lay.num_tokens
 
     def body(x: Array, p_layer: Params) -> tuple[Array, None]:
