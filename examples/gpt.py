@@ -2,12 +2,13 @@
 
 Token embedding tied to the output head, learned positions, pre-LN causal blocks with
 grouped-query attention (``tensor.attention_tp`` around ``sequence.attention_ring``, causal,
-zigzag layout over ``seq``) and a GELU MLP (``tensor.mlp_tp``), on ``shardkit.ShardedModel``.
-Verified against its unsharded twin (``testing.compare_sharded``: loss, every gradient leaf,
-one AdamW step), then trained on the Zen of Python (it ships with Python: ``this.s``), and
-sampled from:
+zigzag layout over ``seq``; or ``attention_ulysses``, any layout) and a GELU MLP
+(``tensor.mlp_tp``), on ``shardkit.ShardedModel``. Verified against its unsharded twin
+(``testing.compare_sharded``: loss, every gradient leaf, one AdamW step), then trained on the
+Zen of Python (it ships with Python: ``this.s``), and sampled from:
 
-    python examples/gpt.py [--mesh data=2,seq=2,model=2] [--layout zigzag] [--steps 300]
+    python examples/gpt.py [--mesh data=2,seq=2,model=2] [--layout zigzag] [--core ring]
+                           [--fsdp] [--steps 300]
 """
 
 import argparse
@@ -105,28 +106,30 @@ def twin_loss(p, x, y):
 
 
 # --8<-- [start:sharded]
-def sharded_gpt(mesh, layout):
-    """x, y[B_data, T_seq] in ``layout`` order over seq; heads, KV heads, MLP over model."""
+def sharded_gpt(mesh, layout, core="ring", fsdp=False):
+    """x, y[B_data, T_seq] in ``layout`` order over seq; heads, KV heads, MLP over model;
+    ``fsdp``: every embed dim over data too (``ShardedModel`` gathers before the loss)."""
     tp = "model" if mesh.shape["model"] > 1 else None
     n_seq = mesh.shape["seq"]
+    attend = {"ring": sequence.attention_ring, "ulysses": sequence.attention_ulysses}[core]
 
-    def core(q, k, v):  # causal ring over seq on local heads; GQA blocks travel as they are
-        return sequence.attention_ring(q, k, v, causal=True, layout=layout)[0]
+    def causal_core(q, k, v):  # over seq on local heads; GQA K/V blocks stay h_kv-headed
+        return attend(q, k, v, causal=True, layout=layout)[0]
 
     def loss_local(p, x, y):  # this device's share of the mean next-token cross-entropy
         table = jnp.asarray(layouts.positions(layout, n_seq, x.shape[1]))
         positions = table[jax.lax.axis_index("seq")] if n_seq > 1 else table[0]
 
         def block(h, b):
-            h = h + tensor.attention_tp(norm(h, b["ln1"]), b["attn"], tp, core)
+            h = h + tensor.attention_tp(norm(h, b["ln1"]), b["attn"], tp, causal_core)
             return h + tensor.mlp_tp(norm(h, b["ln2"]), b["mlp"], tp, jax.nn.gelu), None
 
         h, _ = jax.lax.scan(block, p["embed"][x] + p["pos"][positions], p["blocks"])
         ce = optax.softmax_cross_entropy_with_integer_labels(logits_of(p, h), y)
         return ce.sum() / (y.size * mesh.shape["data"] * n_seq)
 
-    tokens = P("data", "seq")
-    return ShardedModel(mesh, param_axes(DIMS["layers"]), RULES, loss_local,
+    tokens, rules = P("data", "seq"), {**RULES, "embed": "data"} if fsdp else RULES
+    return ShardedModel(mesh, param_axes(DIMS["layers"]), rules, loss_local,
                         batch_specs=(tokens, tokens), token_axes=("seq",))  # fmt: skip
 # --8<-- [end:sharded]
 
@@ -153,11 +156,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mesh", default="data=2,seq=2,model=2")
     parser.add_argument("--layout", default="zigzag", choices=layouts.LAYOUTS)
+    parser.add_argument("--core", default="ring", choices=("ring", "ulysses"))
+    parser.add_argument("--fsdp", action="store_true", help="split every embed dim over data")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error(f"--steps must be at least 2, got {args.steps}")
     mesh = shardkit.make_mesh(shardkit.parse_mesh(args.mesh))
-    model, n_seq = sharded_gpt(mesh, args.layout), mesh.shape["seq"]
+    model = sharded_gpt(mesh, args.layout, args.core, args.fsdp)
+    n_seq = mesh.shape["seq"]
     order = lambda *xs: tuple(layouts.to_layout(x, n_seq, args.layout) for x in xs)  # noqa: E731
     params = init(0, DIMS)
     rng = np.random.default_rng(0)
@@ -168,7 +176,8 @@ def main() -> None:
     check.assert_ok()
     print(f"sharded == twin: worst {check.worst[0]} at {check.worst[1]:.1e}")
 
-    optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0, 1e-2, 20, args.steps))
+    warmup = min(20, args.steps // 2)
+    optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0, 1e-2, warmup, args.steps))
     step = model.train_step(optimizer, clip_norm=1.0)
     p = model.shard(params)
     state = model.init_opt_state(optimizer, p)

@@ -129,3 +129,11 @@ def test_gpt() -> None:
     uniform = float(re.search(rf"uniform over \d+ characters: loss ({NUMBER})", out).group(1))
     assert last < 0.75 * uniform, out  # well below guessing; 300 steps reach 0.13 × uniform
     assert "sample: 'Beautiful is" in out
+
+
+def test_gpt_other_plan() -> None:
+    """The same GPT from flags: Ulysses core, striped layout, FSDP over data; verified."""
+    flags = ("--core", "ulysses", "--layout", "striped", "--fsdp", "--steps", "2")
+    out = ok_output(run_example("gpt.py", *flags))
+    worst = float(re.search(rf"sharded == twin: worst \S+ at ({NUMBER})", out).group(1))
+    assert worst <= TOL, out

@@ -350,6 +350,19 @@ def test_enter_and_exit_reject_the_wrong_vma_type() -> None:
         jax.jit(invariant).lower(np.zeros(4, np.float32))
 
 
+def test_megatron_sp_exit_refuses_tokens_the_axis_cannot_split() -> None:
+    """5 gathered tokens cannot be reduce-scattered over model=2: one sentence, at trace time."""
+    mesh = mesh_of(1, 2)
+
+    def body(x: jax.Array) -> jax.Array:
+        return exit_tp(jax.lax.pcast(x, "model", to="varying"), "model", token_dim=1)
+
+    per_device = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(None, "model"))
+    with pytest.raises(ValueError, match="dim 1 has size 5, not divisible by the 2 devices") as err:
+        jax.jit(per_device).lower(np.zeros((2, 5, 3), np.float32))
+    assert str(err.value).count(". ") == 0
+
+
 # ----------------------------------------------------------------------------- communication
 
 

@@ -300,8 +300,8 @@ def auto_train_step(
     ``vit_ref``'s unsharded loss and AdamW update under ``jax.jit``, params placed with the
     plan's ``NamedSharding``s (heads and MLP hidden over model; embed over data with FSDP),
     the batch over data, and for the token-splitting modes what a GSPMD user would write: a
-    ``with_sharding_constraint`` of the tokens over the plan's token axis (``seq`` for ring,
-    Ulysses and USP, ``model`` for Megatron-SP) at the embedding and every block input. XLA's
+    ``with_sharding_constraint`` of the tokens over the plan's token axes (``seq`` for ring,
+    Ulysses and USP, ``(seq, model)`` for Megatron-SP) at the embedding and every block input. XLA's
     partitioner (Shardy) chooses every collective; without the constraint it would not split
     tokens at all.
     """
@@ -323,11 +323,12 @@ def auto_train_step(
 
 def _token_constraint(plan: Plan, mesh: Any) -> Callable[[jax.Array], jax.Array] | None:
     """tokens[B_data, T_axis, D] as a sharding constraint, for plans that split tokens."""
-    axis = {"ring": "seq", "ulysses": "seq", "usp": "seq", "megatron": "model"}.get(plan.sp)
-    if axis is None or plan.size(axis) == 1:
+    axes = {"ring": ("seq",), "ulysses": ("seq",), "usp": ("seq",), "megatron": ("seq", "model")}
+    token_axes = tuple(a for a in axes.get(plan.sp, ()) if plan.size(a) > 1)
+    if not token_axes:
         return None
     batch_axis = "data" if plan.size("data") > 1 else None
-    tokens = NamedSharding(mesh, P(batch_axis, axis, None))
+    tokens = NamedSharding(mesh, P(batch_axis, token_axes, None))
     return lambda x: jax.lax.with_sharding_constraint(x, tokens)
 
 

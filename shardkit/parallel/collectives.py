@@ -184,6 +184,14 @@ def reduce_scatter(
     """
     # psum_scatter does not accept a negative scatter_dimension (jax 0.10.2).
     dim = scatter_dim % x.ndim
+    n, size = axis_size(axis), x.shape[dim]
+    if (size % n if tiled else size != n) and n > 1:
+        need = "divisible by" if tiled else "equal to"
+        raise ValueError(
+            f"reduce_scatter over {axis!r}: dim {dim} has size {size}, not {need} the {n} devices "
+            "it is split over (pad it first; Megatron-SP pads tokens to a multiple of the token "
+            "shards)."
+        )
     return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=tiled)
 
 

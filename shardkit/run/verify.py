@@ -109,7 +109,7 @@ def default_matrix(devices: int = 8) -> list[Case]:
         Case("Ulysses", Plan({"data": 2, "seq": 4}, sp="ulysses")),
         Case("USP", Plan({"data": 2, "seq": 4}, sp="usp", ulysses=2)),
         Case("2×2×2 ring+TP+FSDP", Plan({"data": 2, "seq": 2, "model": 2}, sp="ring", fsdp=True)),
-        Case("2×2×2 Megatron-SP+ring", Plan({"data": 2, "seq": 2, "model": 2}, sp="megatron")),
+        Case("Megatron-SP×ring", Plan({"data": 2, "seq": 2, "model": 2}, sp="megatron")),
     ]
 
 
