@@ -1,0 +1,317 @@
+"""Pipeline schedules as data: per tick and per stage, which action runs.
+
+A pipeline of S stages (devices along a ``stage`` axis) runs a model cut into S·V chunks
+(layer groups): device s holds chunks s, s+S, ..., s+(V−1)·S (V > 1 only for ``interleaved``).
+M microbatches pass every chunk forward (F) then backward. A schedule is a table
+``grid[tick][stage]`` of :class:`Action` (or None: idle), built by one of
+
+  gpipe(S, M)              all forwards, then all backwards (GPipe, Huang et al. 2019)
+  one_f_one_b(S, M)        S−s−1 warm-up forwards, then one forward / one backward (PipeDream-
+                           flush, Narayanan et al. 2019): at most S−s microbatches in flight
+  interleaved(S, M, V)     1F1B over V chunks per device (Megatron-LM, Narayanan et al. 2021)
+  zero_bubble(S, M)        ZB-H1 (Qi et al. 2023): the backward split into B (input gradient,
+                           on the critical path) and W (weight gradient, deferred into bubbles)
+
+Every action takes one tick (the papers' unit-time model: a tick is one chunk's F, B or W; an
+unsplit backward B also computes W). The tables are produced by one simulator
+(``_simulate``): each stage walks its own action order, running the next action as soon as
+its dependencies ran on an earlier tick (data sent at tick t arrives at t + 1), and ZB-H1 runs
+a deferred W whenever its next F or B is not ready. ``Schedule.check`` proves the invariants
+the engine relies on; ``Schedule.bubble`` reads the idle fraction from the table.
+
+Bubble fractions (idle ticks / all ticks, per stage): GPipe and 1F1B (S−1)/(M+S−1);
+interleaved (S−1)/(V·M+S−1); ZB-H1 (S−1)/(3M+S−1) — in ticks of one F, B or W each, where
+1F1B's unsplit backward counts as one tick; measured on the same time scale (a full backward
+= B + W = 2 ticks) 1F1B idles 3(S−1) of 3(M+S−1) while ZB-H1 idles S−1 of 3M+S−1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from shardkit.mesh import PlanError
+
+KINDS = ("F", "B", "W")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """One tick of one stage: ``kind`` of microbatch ``micro`` on the stage's chunk ``virtual``.
+
+    kind: "F" forward; "B" backward (with the weight gradient, unless the schedule splits it);
+    "W" the weight gradient alone (split schedules). The model chunk is ``virtual·S + stage``.
+    """
+
+    kind: str
+    micro: int
+    virtual: int = 0
+
+    def __str__(self) -> str:
+        tag = f"{self.kind}{self.micro}"
+        return tag if self.virtual == 0 else f"{tag}.{self.virtual}"
+
+
+Grid = tuple[tuple[Action | None, ...], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule: ``grid[tick][stage]`` of actions, with its sizes.
+
+    Attributes:
+      name: "gpipe", "1f1b", "interleaved" or "zb".
+      stages, micro, virtual: S, M, V.
+      split: the backward is split into B (input gradient) and W (weight gradient).
+      grid: ticks × stages.
+    """
+
+    name: str
+    stages: int
+    micro: int
+    virtual: int
+    split: bool
+    grid: Grid
+
+    @property
+    def ticks(self) -> int:
+        return len(self.grid)
+
+    @property
+    def chunks(self) -> int:
+        return self.stages * self.virtual
+
+    def bubble(self) -> float:
+        """The idle fraction of the table: idle (tick, stage) slots over all slots."""
+        idle = sum(action is None for row in self.grid for action in row)
+        return idle / (self.ticks * self.stages)
+
+    def in_flight(self, stage: int) -> int:
+        """Peak microbatch-chunks whose activations ``stage`` holds (F done, weights not done)."""
+        live = peak = 0
+        for row in self.grid:
+            action = row[stage]
+            if action is None:
+                continue
+            if action.kind == "F":
+                live += 1
+            elif action.kind == ("W" if self.split else "B"):
+                live -= 1
+            peak = max(peak, live)
+        return peak
+
+    def check(self) -> None:
+        """AssertionError unless every invariant the engine relies on holds.
+
+        Every (chunk, microbatch) runs F once and B once (and W once if split) on the chunk's
+        device; F(c, m) after F(c−1, m); B(c, m) after B(c+1, m) and after F(c, m); W(c, m)
+        after B(c, m); the grid has one action or None per (tick, stage).
+        """
+        done: dict[tuple[str, int, int], int] = {}
+        for tick, row in enumerate(self.grid):
+            assert len(row) == self.stages, f"tick {tick} has {len(row)} stages"
+            for stage, action in enumerate(row):
+                if action is None:
+                    continue
+                assert action.kind in (KINDS if self.split else ("F", "B")), action
+                key = (action.kind, action.virtual * self.stages + stage, action.micro)
+                assert key not in done, f"{key} runs twice"
+                assert 0 <= action.micro < self.micro and 0 <= action.virtual < self.virtual
+                done[key] = tick
+        for chunk in range(self.chunks):
+            for m in range(self.micro):
+                f, b = done[("F", chunk, m)], done[("B", chunk, m)]
+                if chunk > 0:
+                    assert done[("F", chunk - 1, m)] < f, f"F{m} on chunk {chunk} too early"
+                if chunk < self.chunks - 1:
+                    assert done[("B", chunk + 1, m)] < b, f"B{m} on chunk {chunk} too early"
+                assert f < b, f"B{m} before F{m} on chunk {chunk}"
+                if self.split:
+                    assert b < done[("W", chunk, m)], f"W{m} before B{m} on chunk {chunk}"
+        expected = self.chunks * self.micro * (3 if self.split else 2)
+        assert len(done) == expected, f"{len(done)} actions, {expected} expected"
+
+    def __str__(self) -> str:
+        """The grid as the papers draw it: one row per stage, one column per tick."""
+        width = max(len(str(a)) for row in self.grid for a in row if a is not None)
+        lines = [
+            f"{self.name}: S={self.stages} M={self.micro} V={self.virtual}, "
+            f"{self.ticks} ticks, bubble {self.bubble():.3f}"
+        ]
+        for stage in range(self.stages):
+            cells = (str(row[stage]) if row[stage] else "." for row in self.grid)
+            lines.append(f"stage {stage}: " + " ".join(c.ljust(width) for c in cells))
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- builders
+
+
+def gpipe(stages: int, micro: int) -> Schedule:
+    """GPipe: every forward, then every backward (reverse microbatch order is not needed)."""
+    _check_sizes(stages, micro, 1)
+    order = [[("F", m, 0) for m in range(micro)] + [("B", m, 0) for m in range(micro)]] * stages
+    return _schedule("gpipe", stages, micro, 1, False, order)
+
+
+def one_f_one_b(stages: int, micro: int) -> Schedule:
+    """1F1B: stage s runs min(S−s−1, M) warm-up forwards, then alternates F and B."""
+    _check_sizes(stages, micro, 1)
+    order = [_one_f_one_b_order(min(stages - s - 1, micro), micro, 1, stages) for s in range(stages)]
+    return _schedule("1f1b", stages, micro, 1, False, order)
+
+
+def interleaved(stages: int, micro: int, virtual: int) -> Schedule:
+    """Interleaved 1F1B over V chunks per device; needs M divisible by S (Megatron's rule).
+
+    Forwards go through microbatches in groups of S, chunk by chunk (for each group: chunk 0 of
+    its S microbatches, then chunk 1, ...); backwards in the same order from the last chunk.
+    Stage s warms up with 2(S−s−1) + (V−1)·S forwards (capped at V·M).
+    """
+    _check_sizes(stages, micro, virtual)
+    if micro % stages:
+        raise PlanError(
+            f"The interleaved schedule needs the microbatches (M={micro}) divisible by the "
+            f"stages (S={stages})."
+        )
+    orders = []
+    for s in range(stages):
+        warmup = min(2 * (stages - s - 1) + (virtual - 1) * stages, virtual * micro)
+        orders.append(_one_f_one_b_order(warmup, micro, virtual, stages))
+    return _schedule("interleaved", stages, micro, virtual, False, orders)
+
+
+def zero_bubble(stages: int, micro: int) -> Schedule:
+    """ZB-H1: 1F1B's F / B order; each W deferred until a tick where the next F or B is not
+    ready (or where another F would hold more microbatches than 1F1B's peak, S on stage 0),
+    so that the weight gradients fill the bubbles. Needs M >= S."""
+    _check_sizes(stages, micro, 1)
+    if micro < stages:
+        raise PlanError(
+            f"The zero-bubble schedule needs at least as many microbatches as stages "
+            f"(M={micro} < S={stages})."
+        )
+    order = [_one_f_one_b_order(min(stages - s - 1, micro), micro, 1, stages) for s in range(stages)]
+    return _schedule("zb", stages, micro, 1, True, order)
+
+
+def build(name: str, stages: int, micro: int, virtual: int = 1) -> Schedule:
+    """The schedule called ``name`` (one of ``SCHEDULES``); PlanError for a bad combination."""
+    if name not in SCHEDULES:
+        raise PlanError(f"Unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}.")
+    if virtual != 1 and name != "interleaved":
+        raise PlanError(f"--virtual {virtual} only applies to the interleaved schedule, not {name!r}.")
+    if name == "interleaved":
+        return interleaved(stages, micro, virtual)
+    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb": zero_bubble}[name](stages, micro)
+
+
+def bubble_formula(name: str, stages: int, micro: int, virtual: int = 1) -> float:
+    """The idle fraction each schedule's table must have (module docstring)."""
+    s, m = stages, micro
+    if name == "interleaved":
+        return (s - 1) / (virtual * m + s - 1)
+    if name == "zb":
+        return (s - 1) / (3 * m + s - 1)
+    return (s - 1) / (m + s - 1)
+
+
+# ----------------------------------------------------------------------------- simulation
+
+Op = tuple[str, int, int]  # (kind, micro, virtual)
+
+
+def _check_sizes(stages: int, micro: int, virtual: int) -> None:
+    for name, value in (("stages", stages), ("microbatches", micro), ("virtual stages", virtual)):
+        if not isinstance(value, int) or value < 1:
+            raise PlanError(f"A pipeline needs a positive number of {name}, got {value!r}.")
+
+
+def _chunk_order(micro: int, virtual: int, stages: int) -> list[tuple[int, int]]:
+    """(micro, virtual) in interleaved order: groups of S microbatches, chunk by chunk."""
+    group = stages if virtual > 1 else micro
+    return [
+        (m, v)
+        for start in range(0, micro, group)
+        for v in range(virtual)
+        for m in range(start, min(start + group, micro))
+    ]
+
+
+def _one_f_one_b_order(warmup: int, micro: int, virtual: int, stages: int) -> list[Op]:
+    """``warmup`` forwards, then one forward / one backward pairs, then the last backwards."""
+    forwards = [("F", m, v) for m, v in _chunk_order(micro, virtual, stages)]
+    backwards = [("B", m, virtual - 1 - v) for m, v in _chunk_order(micro, virtual, stages)]
+    order = forwards[:warmup]
+    for f, b in zip(forwards[warmup:], backwards, strict=False):
+        order += [f, b]
+    return order + backwards[len(forwards) - warmup :]
+
+
+def _schedule(
+    name: str, stages: int, micro: int, virtual: int, split: bool, orders: Sequence[list[Op]]
+) -> Schedule:
+    grid = _simulate(stages, micro, virtual, split, orders)
+    schedule = Schedule(name, stages, micro, virtual, split, grid)
+    schedule.check()
+    return schedule
+
+
+def _simulate(
+    stages: int, micro: int, virtual: int, split: bool, orders: Sequence[list[Op]]
+) -> Grid:
+    """Runs each stage's ``orders`` greedily: an action runs at the first tick its inputs are
+    there (produced on an earlier tick). With ``split``, each B leaves a W pending, run at the
+    first tick the stage's next F / B cannot run, and at the end."""
+    chunks = stages * virtual
+    finished: dict[tuple[str, int, int], int] = {}  # (kind, chunk, micro) -> tick
+    position = [0] * stages
+    pending: list[list[Op]] = [[] for _ in range(stages)]
+    live = [0] * stages  # split schedules: forwards whose W has not run yet
+    grid: list[tuple[Action | None, ...]] = []
+
+    def ready(op: Op, stage: int, tick: int) -> bool:
+        kind, m, v = op
+        chunk = v * stages + stage
+        if kind == "F":
+            return chunk == 0 or finished.get(("F", chunk - 1, m), tick) < tick
+        after = ("F", chunk, m) if chunk == chunks - 1 else ("B", chunk + 1, m)
+        return finished.get(after, tick) < tick
+
+    total = sum(len(o) for o in orders) * (3 if split else 2) // 2
+    while len(finished) < total:
+        tick, row = len(grid), []
+        if tick > 4 * total + 4:
+            raise AssertionError("pipeline schedule deadlocked")
+        for stage in range(stages):
+            op: Op | None = None
+            if position[stage] < len(orders[stage]):
+                candidate = orders[stage][position[stage]]
+                # ZB-H1 holds no more activations than 1F1B's first stage does: S microbatches.
+                full = candidate[0] == "F" and live[stage] >= stages and pending[stage]
+                if ready(candidate, stage, tick) and not full:
+                    op, position[stage] = candidate, position[stage] + 1
+                    if split and candidate[0] == "B":
+                        pending[stage].append(("W", candidate[1], candidate[2]))
+            if op is None and pending[stage]:
+                op = pending[stage].pop(0)
+            if op is not None:
+                finished[(op[0], op[2] * stages + stage, op[1])] = tick
+                live[stage] += {"F": 1, "W": -1}.get(op[0], 0)
+            row.append(None if op is None else Action(op[0], op[1], op[2]))
+        grid.append(tuple(row))
+    return tuple(grid)
+
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "Schedule",
+    "bubble_formula",
+    "build",
+    "gpipe",
+    "interleaved",
+    "one_f_one_b",
+    "zero_bubble",
+]
