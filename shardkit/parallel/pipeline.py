@@ -1,35 +1,40 @@
 """The pipeline engine: runs any ``schedules.Schedule`` inside ``shard_map`` over a stage axis.
 
-Model-agnostic: a chunk is any ``stage_fn(chunk_params, x) -> y`` with y shaped like x, and
-the last chunk's output feeds ``loss_fn(loss_params, y, target) -> scalar``. Per device s of
-the ``stage`` axis (S devices, V chunks each: chunk v·S + s):
+Model-agnostic: a chunk is any ``stage_fn(chunk_params, x) -> y`` with y typed like x; an
+``Ends`` holds what comes before chunk 0 (``embed_fn(embed_params, input) -> x``) and after the
+last chunk (``loss_fn(loss_params, y, target) -> scalar``). Per device s of the ``stage`` axis
+(S devices, V chunks each: chunk v·S + s):
 
-  stage_params[V, ...]   this device's chunks      inputs[M, ...]  chunk 0's input per microbatch
-  loss_params            replicated                targets[M, ...] loss_fn's target per microbatch
+  stage_params[V, ...]   this device's chunks      inputs[M, ...]   per microbatch (stage 0)
+  embed / loss params    replicated over stage     targets[M, ...]  per microbatch (stage S−1)
 
 ``pipeline_grads`` scans the schedule's ticks. Each tick a device runs its table entry:
 
-  F  y, vjp = jax.vjp(stage_fn, p[v], x): x from ``inputs`` (chunk 0) or the inbox; the vjp's
+  F  y, vjp = jax.vjp(stage_fn, p[v], x), x embedded (chunk 0) or from the inbox; the vjp's
      residuals (all but the params, which stay where they are) go to a stash slot; y is sent
      to the next stage (``ppermute`` +1); on the last chunk the loss and dy = ∂loss/∂y are
-     computed at once and dy goes to this device's own cotangent inbox.
+     taken at once and dy goes to this device's own cotangent inbox.
   B  the vjp rebuilt from the stash, applied to dy from the inbox: dx is sent to the previous
-     stage (−1), or is chunk 0's input gradient; unsplit schedules accumulate dp here.
-  W  (split schedules) the same vjp, for dp only: XLA drops the unused half of each branch,
-     so B computes only the input gradient and W only the weight gradient.
+     stage (−1); unsplit schedules take the weight gradient here too (chunk 0: and the
+     embedding's, by its vjp re-run on the microbatch's input).
+  W  (split schedules) the same vjp, for the weights only: XLA drops the unused half of each
+     branch, so B computes only the input gradient and W only the weight gradient.
 
-Buffers hold only what the schedule keeps in flight: stash, activation inbox and cotangent
-inbox each have as many slots as the busiest stage's largest number of simultaneously live
-entries (``Tables``; slots assigned statically by interval colouring), so 1F1B's stash has S
-slots whatever M is, while GPipe's has M. Idle ticks run no computation at all (``lax.switch``
-to an identity branch); every buffer starts at zeros, so nothing uninitialised is ever read.
-Sends happen only in the runs of ticks where some stage sends (the scan is split into such
-segments): per tick in a segment one ``ppermute`` of one activation [microbatch] each way used.
+Buffers hold only what the schedule keeps in flight: the stash, the activation inbox and the
+cotangent inbox each have as many slots as the busiest stage's most simultaneously live
+entries (``tables``: slots assigned statically by interval colouring), so 1F1B's stash has S
+slots whatever M is, while GPipe's has M. The SPMD program is the same on every device, so
+every device allocates the busiest stage's slots. Idle ticks compute nothing (``lax.switch``
+to an identity branch); buffers start at zeros and no unwritten slot is ever read (the
+``poison`` test). Sends happen only in the runs of ticks where some stage sends (the scan is
+split into such segments): there, per tick, one ``ppermute`` of one microbatch activation in
+each direction used.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -40,9 +45,16 @@ import numpy as np
 from shardkit.parallel.schedules import Schedule
 
 StageFn = Callable[[Any, jax.Array], jax.Array]
+EmbedFn = Callable[[Any, Any], jax.Array]
 LossFn = Callable[[Any, jax.Array, Any], jax.Array]
 
-IDLE, FORWARD, FORWARD_LAST, BACKWARD, WEIGHTS = range(5)
+IDLE = 0
+KIND_INDEX = {"F": 0, "B": 1, "W": 2}
+
+
+def branch_index(kind: str, first: bool, last: bool) -> int:
+    """The ``lax.switch`` branch of an action: idle is 0, then (kind, first chunk, last chunk)."""
+    return 1 + 4 * KIND_INDEX[kind] + 2 * first + last
 
 
 # ----------------------------------------------------------------------------- static tables
@@ -52,7 +64,7 @@ IDLE, FORWARD, FORWARD_LAST, BACKWARD, WEIGHTS = range(5)
 class Tables:
     """The schedule as int32 arrays [ticks, S] the engine scans, and its buffer sizes.
 
-    branch: IDLE / FORWARD / FORWARD_LAST / BACKWARD / WEIGHTS; micro, virtual: the action's
+    branch: ``branch_index`` of the action (0: idle); micro, virtual: the action's
     microbatch and chunk-on-device; stash, x_in, dy_in: the slot the action reads or writes
     (−1: none); x_arrive, dy_arrive: the slot the value received at this tick's start is
     stored in (−1: nothing arrives). sends_x / sends_dy [ticks]: some stage sends.
@@ -79,7 +91,7 @@ class Tables:
     def segments(self) -> list[tuple[int, int, bool, bool]]:
         """Runs (start, stop, sends_x, sends_dy) of ticks with the same send pattern."""
         out: list[tuple[int, int, bool, bool]] = []
-        for tick, key in enumerate(zip(self.sends_x.tolist(), self.sends_dy.tolist())):
+        for tick, key in enumerate(zip(self.sends_x.tolist(), self.sends_dy.tolist(), strict=True)):
             if out and (out[-1][2], out[-1][3]) == key:
                 out[-1] = (out[-1][0], tick + 1, *key)
             else:
@@ -115,9 +127,7 @@ def tables(schedule: Schedule) -> Tables:
     for (kind, c, m), tick in when.items():
         s, v = c % S, c // S
         micro[tick, s], virtual[tick, s] = m, v
-        branch[tick, s] = {"F": FORWARD, "B": BACKWARD, "W": WEIGHTS}[kind]
-        if kind == "F" and c == C - 1:
-            branch[tick, s] = FORWARD_LAST
+        branch[tick, s] = branch_index(kind, c == 0, c == C - 1)
         t["stash"][tick, s] = slots["stash"][(c, m)]
         t["dy_in"][tick, s] = slots["dy"][(c, m)]
         if kind == "F" and c > 0:
@@ -133,8 +143,10 @@ def tables(schedule: Schedule) -> Tables:
         sends_x[tick] |= kind == "F" and c < C - 1
         sends_dy[tick] |= kind == "B" and c > 0
     sizes = {name: 1 + max(v.values(), default=0) for name, v in slots.items()}
-    return Tables(branch, micro, virtual, t["stash"], t["x_in"], t["dy_in"], t["x_arrive"],
-                  t["dy_arrive"], sends_x, sends_dy, sizes["stash"], sizes["x"], sizes["dy"])  # fmt: skip
+    return Tables(
+        branch, micro, virtual, t["stash"], t["x_in"], t["dy_in"], t["x_arrive"], t["dy_arrive"],
+        sends_x, sends_dy, sizes["stash"], sizes["x"], sizes["dy"],
+    )  # fmt: skip
 
 
 def _colour(intervals: dict[Any, tuple[int, int, int]]) -> dict[Any, int]:
@@ -154,32 +166,50 @@ def _colour(intervals: dict[Any, tuple[int, int, int]]) -> dict[Any, int]:
 # ----------------------------------------------------------------------------- the engine
 
 
+@dataclasses.dataclass(frozen=True)
+class Ends:
+    """The model outside the chunks: ``embed_fn`` before chunk 0, ``loss_fn`` after the last.
+
+    embed_fn: ``(embed_params, input_m) -> x`` (identity-like for a bare pipeline);
+    loss_fn: ``(loss_params, y, target_m) -> scalar``. Both params replicated over the stage
+    axis; their gradients come back summed over it (only the first / last stage adds to them).
+    """
+
+    embed_fn: EmbedFn
+    embed_params: Any
+    loss_fn: LossFn
+    loss_params: Any
+
+
 def pipeline_grads(
     schedule: Schedule,
     stage_fn: StageFn,
-    loss_fn: LossFn,
     stage_params: Any,
-    loss_params: Any,
-    inputs: jax.Array,
+    ends: Ends,
+    inputs: Any,
     targets: Any,
     *,
     axis: str = "stage",
-) -> tuple[jax.Array, Any, Any, jax.Array]:
+    poison: bool = False,
+) -> tuple[jax.Array, Any, Any, Any]:
     """Runs ``schedule`` forward and backward; call inside ``shard_map`` over ``axis``.
 
     Args:
       schedule: from ``schedules.build``; its S must equal the size of ``axis``.
-      stage_fn: ``(chunk_params, x[...]) -> y[...]``, y shaped and typed like x.
-      loss_fn: ``(loss_params, y, target) -> scalar`` for one microbatch.
+      stage_fn: ``(chunk_params, x) -> y``, y shaped and typed like x.
       stage_params: this device's V chunks, every leaf stacked [V, ...].
-      loss_params: replicated over ``axis`` (e.g. a final norm and head).
-      inputs: [M, ...] chunk 0's input per microbatch (read on the first stage only).
-      targets: pytree of [M, ...] (read on the last stage only).
+      ends: the embedding before chunk 0 and the loss after the last chunk.
+      inputs: pytree of [M, ...]: ``embed_fn``'s input per microbatch (read on stage 0).
+      targets: pytree of [M, ...]: ``loss_fn``'s target per microbatch (read on stage S−1).
+      axis: the pipeline's mesh axis.
+      poison: start the stash, the inboxes and the receive buffers at NaN instead of zeros
+        (a test: finite, equal gradients prove that no unwritten slot is ever read).
 
     Returns:
-      (loss, d_stage_params, d_loss_params, d_inputs): Σ_m loss invariant over ``axis``; the
-      gradient of that sum for this device's chunks [V, ...]; for ``loss_params`` (invariant);
-      and d_inputs[M, ...], the input cotangents, nonzero on the first stage only.
+      (loss, d_stage_params, d_embed_params, d_loss_params): Σ_m loss and the gradients of
+      that sum: for this device's chunks [V, ...] (varying over ``axis``), for the embedding and
+      the loss params (invariant over ``axis``). Every gradient is still a partial sum over the
+      inputs' other axes (``data``): sync them as for any data-parallel gradient.
     """
     n = jax.lax.axis_size(axis)
     if n != schedule.stages:
@@ -187,52 +217,61 @@ def pipeline_grads(
             f"The schedule has {schedule.stages} stages but the {axis!r} axis has {n} devices."
         )
     tab = tables(schedule)
-    stage = jax.lax.axis_index(axis)
-    # Activations vary over the inputs' axes and the stage; params are cast to vary over those
-    # too (their gradients are partial sums there: no collective inside a branch).
-    act = _vary(jnp.zeros_like(inputs[0]), _vma(inputs) | {axis})
-    act_axes = _axes_of(act)
+    first_input = jax.tree.map(lambda a: a[0], inputs)
+    # Everything a branch computes varies over the inputs' axes and the stage; params are cast
+    # to vary there too, so their gradients are partial sums (no collective inside a branch).
+    act_axes = _vma(inputs) | {axis}
     stage_params = _vary_tree(stage_params, act_axes)
-    loss_params = _vary_tree(loss_params, act_axes)
+    ends = dataclasses.replace(
+        ends,
+        embed_params=_vary_tree(ends.embed_params, act_axes),
+        loss_params=_vary_tree(ends.loss_params, act_axes),
+    )
+    x0 = _vary(ends.embed_fn(ends.embed_params, first_input), act_axes)
     chunk0 = jax.tree.map(lambda a: a[0], stage_params)
-    y0, proto = jax.vjp(stage_fn, chunk0, act)
-    if _axes_of(y0) != act_axes or y0.shape != act.shape:
+    y0, proto = jax.vjp(stage_fn, chunk0, x0)
+    if _axes_of(y0) != _axes_of(x0) or y0.shape != x0.shape or y0.dtype != x0.dtype:
         raise ValueError(
-            f"stage_fn must map x {act.shape} varying over {sorted(act_axes)} to the same shape "
-            f"and axes, got {y0.shape} varying over {sorted(_axes_of(y0))}."
+            f"stage_fn must map x {x0.dtype}{list(x0.shape)} varying over "
+            f"{sorted(_axes_of(x0))} to the same type, got {y0.dtype}{list(y0.shape)} varying "
+            f"over {sorted(_axes_of(y0))}."
         )
-    res_def, keep = _residual_layout(proto, chunk0)
-    stash = [_buffer(tab.stash_slots, leaf, axis) for leaf, k in zip(res_def[1], keep) if k < 0]
+    leaves, vjp_def = jax.tree.flatten(proto)
+    keep = _param_mask(leaves, chunk0)
+    fill = np.nan if poison else 0.0
+    act = _vary(jnp.full_like(x0, fill), _axes_of(x0))
     state = dict(
-        stash=stash,
-        x_box=_buffer(tab.x_slots, act, axis),
-        dy_box=_buffer(tab.dy_slots, act, axis),
+        stash=[
+            _buffer(tab.stash_slots, a, fill) for a, k in zip(leaves, keep, strict=True) if k < 0
+        ],
+        x_box=_buffer(tab.x_slots, act, fill),
+        dy_box=_buffer(tab.dy_slots, act, fill),
         grads=jax.tree.map(jnp.zeros_like, stage_params),
-        loss_grads=jax.tree.map(jnp.zeros_like, loss_params),
-        loss=_vary(jnp.zeros((), jnp.float32), _vma(act)),
-        d_inputs=_vary(jnp.zeros_like(inputs), _vma(act)),
+        embed_grads=jax.tree.map(jnp.zeros_like, ends.embed_params),
+        loss_grads=jax.tree.map(jnp.zeros_like, ends.loss_params),
+        loss=_vary(jnp.zeros((), jnp.float32), act_axes),
         recv_x=act,
         recv_dy=act,
     )
-    ctx = _Context(schedule, stage_fn, loss_fn, stage_params, loss_params, inputs, targets,
-                   axis, stage, res_def[0], keep)  # fmt: skip
+    stage = jax.lax.axis_index(axis)
+    ctx = _Context(schedule, stage_fn, stage_params, ends, inputs, targets, axis, stage,
+                   vjp_def, keep)  # fmt: skip
     for start, stop, send_x, send_dy in tab.segments():
         rows = {k: jnp.asarray(v) for k, v in tab.rows(start, stop).items()}
-        body = _tick_body(ctx, send_x, send_dy)
-        state, _ = jax.lax.scan(body, state, rows)
-    loss = jax.lax.psum(state["loss"], axis)
-    loss_grads = jax.lax.psum(state["loss_grads"], axis)
-    return loss, state["grads"], loss_grads, state["d_inputs"]
+        state, _ = jax.lax.scan(_tick_body(ctx, send_x, send_dy), state, rows)
+    loss, embed_grads, loss_grads = jax.lax.psum(
+        (state["loss"], state["embed_grads"], state["loss_grads"]), axis
+    )
+    return loss, state["grads"], embed_grads, loss_grads
 
 
 @dataclasses.dataclass(frozen=True)
 class _Context:
     schedule: Schedule
     stage_fn: StageFn
-    loss_fn: LossFn
     stage_params: Any
-    loss_params: Any
-    inputs: jax.Array
+    ends: Ends
+    inputs: Any
     targets: Any
     axis: str
     stage: jax.Array
@@ -245,106 +284,117 @@ def _tick_body(ctx: _Context, send_x: bool, send_dy: bool) -> Callable[..., Any]
     circular = V > 1
     forward_pairs = [(s, (s + 1) % S) for s in range(S if circular else S - 1)]
     backward_pairs = [(d, s) for s, d in forward_pairs]
+    branches = [_idle] + [
+        functools.partial(fn, first=first, last=last)
+        for fn in (_forward, _backward, _weights)
+        for first in (False, True)
+        for last in (False, True)
+    ]
 
     def body(state: dict[str, Any], rows: dict[str, jax.Array]) -> tuple[dict[str, Any], None]:
         row = {k: v[ctx.stage] for k, v in rows.items()}
         state = dict(state)
         state["x_box"] = _store(state["x_box"], row["x_arrive"], state["recv_x"])
         state["dy_box"] = _store(state["dy_box"], row["dy_arrive"], state["recv_dy"])
-        branches = [_idle, _forward, _forward_last, _backward, _weights]
         state, out_x, out_dy = jax.lax.switch(
-            row["branch"], [lambda st, r, b=b: b(ctx, st, r) for b in branches], state, row
+            row["branch"], [functools.partial(b, ctx) for b in branches], state, row
         )
         zeros = jnp.zeros_like(state["recv_x"])
         state["recv_x"] = jax.lax.ppermute(out_x, ctx.axis, forward_pairs) if send_x else zeros
-        state["recv_dy"] = (
-            jax.lax.ppermute(out_dy, ctx.axis, backward_pairs) if send_dy else zeros
-        )
+        state["recv_dy"] = jax.lax.ppermute(out_dy, ctx.axis, backward_pairs) if send_dy else zeros
         return state, None
 
     return body
 
 
 Branch = tuple[dict[str, Any], jax.Array, jax.Array]
+Row = dict[str, jax.Array]
 
 
-def _idle(ctx: _Context, state: dict[str, Any], row: dict[str, jax.Array]) -> Branch:
+def _idle(ctx: _Context, state: dict[str, Any], row: Row) -> Branch:
     zeros = jnp.zeros_like(state["recv_x"])
     return state, zeros, zeros
 
 
-def _chunk(ctx: _Context, row: dict[str, jax.Array]) -> Any:
+def _chunk(ctx: _Context, row: Row) -> Any:
     return jax.tree.map(lambda a: a[row["virtual"]], ctx.stage_params)
 
 
-def _forward_common(ctx: _Context, state: dict[str, Any], row: dict[str, jax.Array]):
+def _micro(tree: Any, row: Row) -> Any:
+    return jax.tree.map(lambda a: a[row["micro"]], tree)
+
+
+def _embed(ctx: _Context, row: Row) -> tuple[jax.Array, Callable[..., Any]]:
+    embed = ctx.ends.embed_fn
+    return jax.vjp(lambda ep: embed(ep, _micro(ctx.inputs, row)), ctx.ends.embed_params)
+
+
+def _forward(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, last: bool) -> Branch:
+    """F: the chunk's forward; its vjp residuals stashed; y sent on, or the loss taken."""
     state = dict(state)
-    first = (row["virtual"] == 0) & (ctx.stage == 0)
-    x = jnp.where(first, ctx.inputs[row["micro"]], state["x_box"][jnp.maximum(row["x_in"], 0)])
+    zeros = jnp.zeros_like(state["recv_x"])
+    x = _embed(ctx, row)[0] if first else state["x_box"][jnp.maximum(row["x_in"], 0)]
     p = _chunk(ctx, row)
-    y, vjp = jax.vjp(ctx.stage_fn, p, x)
-    leaves, treedef = jax.tree.flatten(vjp)
-    keep = _param_mask(leaves, p)
-    assert keep == ctx.keep, "stage_fn's residuals differ between traces"
-    kept = [leaf for leaf, k in zip(leaves, keep, strict=True) if k < 0]
-    state["stash"] = [_store(buf, row["stash"], leaf) for buf, leaf in zip(state["stash"], kept)]
-    return state, y.astype(state["recv_x"].dtype)
-
-
-def _forward(ctx: _Context, state: dict[str, Any], row: dict[str, jax.Array]) -> Branch:
-    state, y = _forward_common(ctx, state, row)
-    return state, _like(y, state["recv_x"]), jnp.zeros_like(state["recv_x"])
-
-
-def _forward_last(ctx: _Context, state: dict[str, Any], row: dict[str, jax.Array]) -> Branch:
-    state, y = _forward_common(ctx, state, row)
-    target = jax.tree.map(lambda t: t[row["micro"]], ctx.targets)
-    loss, (d_loss_params, dy) = jax.value_and_grad(ctx.loss_fn, argnums=(0, 1))(
-        ctx.loss_params, y, target
+    y, vjp = jax.vjp(ctx.stage_fn, p, _like(x, zeros))
+    leaves = jax.tree.leaves(vjp)
+    assert _param_mask(leaves, p) == ctx.keep, "stage_fn's residuals differ between traces"
+    stashed = [leaf for leaf, k in zip(leaves, ctx.keep, strict=True) if k < 0]
+    state["stash"] = [
+        _store(b, row["stash"], leaf) for b, leaf in zip(state["stash"], stashed, strict=True)
+    ]
+    if not last:
+        return state, _like(y, zeros), zeros
+    loss_fn = ctx.ends.loss_fn
+    loss, (d_loss_params, dy) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
+        ctx.ends.loss_params, y, _micro(ctx.targets, row)
     )
     state["loss"] = state["loss"] + _like(loss.astype(jnp.float32), state["loss"])
-    state["loss_grads"] = jax.tree.map(
-        lambda acc, g: acc + _like(g, acc), state["loss_grads"], d_loss_params
-    )
+    state["loss_grads"] = _add(state["loss_grads"], d_loss_params)
     state["dy_box"] = _store(state["dy_box"], row["dy_in"], dy)
-    zeros = jnp.zeros_like(state["recv_x"])
     return state, zeros, zeros
 
 
-def _rebuilt_vjp(ctx: _Context, state: dict[str, Any], row: dict[str, jax.Array]) -> Any:
+def _rebuilt_vjp(ctx: _Context, state: dict[str, Any], row: Row) -> Any:
     params = jax.tree.leaves(_chunk(ctx, row))
     stored = iter(buf[jnp.maximum(row["stash"], 0)] for buf in state["stash"])
     leaves = [next(stored) if k < 0 else params[k] for k in ctx.keep]
     return jax.tree.unflatten(ctx.vjp_def, leaves)
 
 
-def _backward(ctx: _Context, state: dict[str, Any], row: dict[str, jax.Array]) -> Branch:
+def _backward(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, last: bool) -> Branch:
+    """B: the input gradient sent back (chunk 0: into the embedding); unsplit schedules also
+    take the weight gradient here."""
+    weights = not ctx.schedule.split
+    return _apply_vjp(ctx, state, row, first=first, weights=weights, send=not first)
+
+
+def _weights(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, last: bool) -> Branch:
+    """W (split schedules): the weight gradient of a chunk whose B already ran."""
+    return _apply_vjp(ctx, state, row, first=first, weights=True, send=False)
+
+
+def _apply_vjp(
+    ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, weights: bool, send: bool
+) -> Branch:
     state = dict(state)
+    zeros = jnp.zeros_like(state["recv_x"])
     dy = state["dy_box"][jnp.maximum(row["dy_in"], 0)]
     dp, dx = _rebuilt_vjp(ctx, state, row)(dy)
-    if not ctx.schedule.split:
-        state["grads"] = _accumulate(state["grads"], dp, row["virtual"])
-    first = (row["virtual"] == 0) & (ctx.stage == 0)
-    d_inputs = state["d_inputs"].at[row["micro"]].set(_like(dx, state["d_inputs"]))
-    state["d_inputs"] = jnp.where(first, d_inputs, state["d_inputs"])
-    send = jnp.where(first, jnp.zeros_like(dx), dx)
-    return state, jnp.zeros_like(state["recv_x"]), _like(send, state["recv_dy"])
-
-
-def _weights(ctx: _Context, state: dict[str, Any], row: dict[str, jax.Array]) -> Branch:
-    state = dict(state)
-    dy = state["dy_box"][jnp.maximum(row["dy_in"], 0)]
-    dp, _ = _rebuilt_vjp(ctx, state, row)(dy)
-    state["grads"] = _accumulate(state["grads"], dp, row["virtual"])
-    zeros = jnp.zeros_like(state["recv_x"])
-    return state, zeros, zeros
+    if weights:
+        state["grads"] = jax.tree.map(
+            lambda acc, g: acc.at[row["virtual"]].add(_like(g, acc)), state["grads"], dp
+        )
+        if first:  # the embedding's weights: its vjp re-run on this microbatch's input
+            (d_embed,) = _embed(ctx, row)[1](_like(dx, zeros))
+            state["embed_grads"] = _add(state["embed_grads"], d_embed)
+    return state, zeros, _like(dx, zeros) if send else zeros
 
 
 # ----------------------------------------------------------------------------- helpers
 
 
-def _accumulate(grads: Any, dp: Any, v: jax.Array) -> Any:
-    return jax.tree.map(lambda acc, g: acc.at[v].add(_like(g, acc)), grads, dp)
+def _add(acc: Any, grads: Any) -> Any:
+    return jax.tree.map(lambda a, g: a + _like(g, a), acc, grads)
 
 
 def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
@@ -377,9 +427,10 @@ def _like(x: jax.Array, ref: jax.Array) -> jax.Array:
     return _vary(x.astype(ref.dtype), _axes_of(ref))
 
 
-def _buffer(slots: int, like: jax.Array, axis: str) -> jax.Array:
-    zeros = jnp.zeros((slots, *like.shape), like.dtype)
-    return _vary(zeros, _axes_of(like) | {axis})
+def _buffer(slots: int, like: jax.Array, fill: float) -> jax.Array:
+    """[slots, *like.shape] of ``fill`` (integer residuals: 0), typed like ``like``."""
+    value = fill if jnp.issubdtype(like.dtype, jnp.floating) else 0
+    return _vary(jnp.full((slots, *like.shape), value, like.dtype), _axes_of(like))
 
 
 def _param_mask(leaves: list[Any], params: Any) -> tuple[int, ...]:
@@ -388,9 +439,4 @@ def _param_mask(leaves: list[Any], params: Any) -> tuple[int, ...]:
     return tuple(param_ids.get(id(leaf), -1) for leaf in leaves)
 
 
-def _residual_layout(proto: Any, params: Any) -> tuple[tuple[Any, list[Any]], tuple[int, ...]]:
-    leaves, treedef = jax.tree.flatten(proto)
-    return (treedef, leaves), _param_mask(leaves, params)
-
-
-__all__ = ["Tables", "pipeline_grads", "tables"]
+__all__ = ["Ends", "Tables", "pipeline_grads", "tables"]

@@ -158,7 +158,9 @@ def gpipe(stages: int, micro: int) -> Schedule:
 def one_f_one_b(stages: int, micro: int) -> Schedule:
     """1F1B: stage s runs min(S−s−1, M) warm-up forwards, then alternates F and B."""
     _check_sizes(stages, micro, 1)
-    order = [_one_f_one_b_order(min(stages - s - 1, micro), micro, 1, stages) for s in range(stages)]
+    order = [
+        _one_f_one_b_order(min(stages - s - 1, micro), micro, 1, stages) for s in range(stages)
+    ]
     return _schedule("1f1b", stages, micro, 1, False, order)
 
 
@@ -192,16 +194,22 @@ def zero_bubble(stages: int, micro: int) -> Schedule:
             f"The zero-bubble schedule needs at least as many microbatches as stages "
             f"(M={micro} < S={stages})."
         )
-    order = [_one_f_one_b_order(min(stages - s - 1, micro), micro, 1, stages) for s in range(stages)]
+    order = [
+        _one_f_one_b_order(min(stages - s - 1, micro), micro, 1, stages) for s in range(stages)
+    ]
     return _schedule("zb", stages, micro, 1, True, order)
 
 
 def build(name: str, stages: int, micro: int, virtual: int = 1) -> Schedule:
     """The schedule called ``name`` (one of ``SCHEDULES``); PlanError for a bad combination."""
     if name not in SCHEDULES:
-        raise PlanError(f"Unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}.")
+        raise PlanError(
+            f"Unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}."
+        )
     if virtual != 1 and name != "interleaved":
-        raise PlanError(f"--virtual {virtual} only applies to the interleaved schedule, not {name!r}.")
+        raise PlanError(
+            f"--virtual {virtual} only applies to the interleaved schedule, not {name!r}."
+        )
     if name == "interleaved":
         return interleaved(stages, micro, virtual)
     return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb": zero_bubble}[name](stages, micro)

@@ -1,0 +1,126 @@
+"""Pipeline schedules as data: invariants, exact bubbles, memory, printing, errors.
+
+The invariants are checked here by a checker written independently of ``Schedule.check``
+(which ``build`` also runs), over every builder for S in 1..8, M in 1..16, V in 1..4.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardkit.mesh import PlanError
+from shardkit.parallel import schedules as sc
+
+# Pure Python and fast: many more examples than the ci profile's default.
+MANY = settings(max_examples=200)
+
+
+@st.composite
+def schedules(draw):
+    name = draw(st.sampled_from(sc.SCHEDULES))
+    stages = draw(st.integers(1, 8))
+    if name == "interleaved":
+        return sc.build(name, stages, stages * draw(st.integers(1, 16 // stages)),
+                        draw(st.integers(1, 4)))  # fmt: skip
+    low = stages if name == "zb" else 1
+    return sc.build(name, stages, draw(st.integers(low, max(low, 16))))
+
+
+def times(schedule):
+    """(kind, chunk, micro) -> tick, asserting nothing runs twice."""
+    out = {}
+    for tick, row in enumerate(schedule.grid):
+        assert len(row) == schedule.stages  # one action (or idle) per stage and tick
+        for stage, action in enumerate(row):
+            if action is not None:
+                key = (action.kind, action.virtual * schedule.stages + stage, action.micro)
+                assert key not in out, key
+                out[key] = tick
+    return out
+
+
+@MANY
+@given(schedules())
+def test_every_microbatch_passes_every_chunk_once_in_dependency_order(schedule):
+    t = times(schedule)
+    kinds = ("F", "B", "W") if schedule.split else ("F", "B")
+    chunks, micro = schedule.chunks, schedule.micro
+    assert set(t) == {(k, c, m) for k in kinds for c in range(chunks) for m in range(micro)}
+    for c in range(chunks):
+        for m in range(micro):
+            assert c == 0 or t["F", c - 1, m] < t["F", c, m]
+            assert c == chunks - 1 or t["B", c + 1, m] < t["B", c, m]
+            assert t["F", c, m] < t["B", c, m]
+            assert not schedule.split or t["B", c, m] < t["W", c, m]
+
+
+@MANY
+@given(schedules())
+def test_bubble_read_from_the_table_equals_its_formula(schedule):
+    s, m, v = schedule.stages, schedule.micro, schedule.virtual
+    idle = sum(a is None for row in schedule.grid for a in row)
+    measured = Fraction(idle, schedule.ticks * s)
+    formula = {
+        "gpipe": Fraction(s - 1, m + s - 1),
+        "1f1b": Fraction(s - 1, m + s - 1),
+        "interleaved": Fraction(s - 1, v * m + s - 1),
+        "zb": Fraction(s - 1, 3 * m + s - 1),
+    }[schedule.name]
+    assert measured == formula
+    assert schedule.bubble() == pytest.approx(float(formula))
+    assert sc.bubble_formula(schedule.name, s, m, v) == pytest.approx(float(formula))
+
+
+@MANY
+@given(st.integers(2, 8), st.integers(1, 16))
+def test_zero_bubble_idles_less_than_one_f_one_b_on_the_same_time_scale(stages, micro):
+    """1F1B's unsplit backward is B + W: on a scale of one F, B or W per unit, 1F1B idles
+    3(S−1) of 3(M+S−1) units, ZB-H1 S−1 of 3M+S−1."""
+    micro = max(micro, stages)
+    zb, ofob = sc.zero_bubble(stages, micro), sc.one_f_one_b(stages, micro)
+    ofob_idle = Fraction(3 * (stages - 1), 3 * (micro + stages - 1))
+    assert zb.bubble() < float(ofob_idle) == pytest.approx(ofob.bubble())
+
+
+@MANY
+@given(st.integers(1, 8), st.integers(1, 16))
+def test_in_flight_microbatches(stages, micro):
+    """1F1B holds min(S−s, M) on stage s; GPipe holds all M; ZB-H1 never more than 1F1B's S."""
+    ofob, gp = sc.one_f_one_b(stages, micro), sc.gpipe(stages, micro)
+    assert [ofob.in_flight(s) for s in range(stages)] == [
+        min(stages - s, micro) for s in range(stages)
+    ]
+    assert [gp.in_flight(s) for s in range(stages)] == [micro] * stages
+    if micro >= stages:
+        zb = sc.zero_bubble(stages, micro)
+        assert max(zb.in_flight(s) for s in range(stages)) <= stages
+
+
+def test_the_grid_prints_like_the_papers_figures():
+    text = str(sc.one_f_one_b(4, 6))
+    assert text.splitlines()[0] == "1f1b: S=4 M=6 V=1, 18 ticks, bubble 0.333"
+    row = "stage 0: F0 F1 F2 F3 .  .  .  B0 F4 B1 F5 B2 .  B3 .  B4 .  B5"
+    assert text.splitlines()[1].rstrip() == row
+    assert "F1.1" in str(sc.interleaved(2, 4, 2))  # microbatch 1 on the device's second chunk
+    assert "W0" in str(sc.zero_bubble(2, 2))
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (("interleaved", 4, 6, 2), r"microbatches \(M=6\) divisible by the stages \(S=4\)"),
+        (("zb", 4, 3), r"at least as many microbatches as stages \(M=3 < S=4\)"),
+        (("1f1b", 4, 8, 2), "--virtual 2 only applies to the interleaved schedule, not '1f1b'"),
+        (("pipedream", 4, 8), "Unknown pipeline schedule 'pipedream'"),
+        (("gpipe", 0, 8), "positive number of stages, got 0"),
+        (("gpipe", 2, 0), "positive number of microbatches, got 0"),
+    ],
+)
+def test_bad_sizes_are_one_sentence(args, match):
+    with pytest.raises(PlanError, match=match) as err:
+        sc.build(*args)
+    assert str(err.value).count(". ") == 0 and str(err.value).endswith(".")
