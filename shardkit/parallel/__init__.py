@@ -6,4 +6,6 @@
                (ring: the ring itself; blockwise: the block math and attention_local)
   layouts      token layouts over a seq axis (contiguous, zigzag, striped) and their permutations
   data         gradient sync, gradient norms, FSDP gather, ZeRO-1
+  schedules    pipeline schedules as data (GPipe, 1F1B, interleaved, ZB-H1)
+  pipeline     the engine that runs any schedule over a stage axis
 """
