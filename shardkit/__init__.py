@@ -2,7 +2,8 @@
 
 Layers (each imports only the ones below it; primitives assume no particular model):
   mesh         CPU devices, ``data × seq × model`` meshes, the ``Plan``
-  parallel/    collectives, tensor, sequence, data: primitives for shard_map bodies
+  parallel/    collectives, tensor, sequence, data, schedules + pipeline: primitives for
+               shard_map bodies
   models/      sharded: ``ShardedModel``, any model's specs, sync, optimizer layout and
                train step from logical axes; vit: ``ShardedViT``, vit_ref's model on it
   comm/        ledger (collectives measured from compiled HLO), cost, report, plot
@@ -32,7 +33,7 @@ from shardkit.mesh import (
 from shardkit.models import sharded, vit
 from shardkit.models.sharded import ShardedModel
 from shardkit.models.vit import ShardedViT, check_plan
-from shardkit.parallel import collectives, data, sequence, tensor
+from shardkit.parallel import collectives, data, pipeline, schedules, sequence, tensor
 from shardkit.parallel.collectives import (
     all_gather,
     all_reduce,

@@ -137,3 +137,14 @@ def test_gpt_other_plan() -> None:
     out = ok_output(run_example("gpt.py", *flags))
     worst = float(re.search(rf"sharded == twin: worst \S+ at ({NUMBER})", out).group(1))
     assert worst <= TOL, out
+
+
+def test_pipeline_mlp() -> None:
+    """A user's MLP pipelined with 1F1B over 4 stages × data 2: equal to its twin, and it fits."""
+    out = ok_output(run_example("pipeline_mlp.py", "--steps", "50"))
+    worst = float(re.search(rf"pipelined == twin: worst \S+ at ({NUMBER})", out).group(1))
+    assert worst <= TOL, out
+    last = float(re.search(rf"step\s+50\s+loss ({NUMBER})", out).group(1))
+    mean = float(re.search(rf"predicting the mean: loss ({NUMBER})", out).group(1))
+    assert last < 0.25 * mean, out
+    assert "stage 3: .  .  .  F0 B0" in out  # the schedule's table is printed
