@@ -92,11 +92,13 @@ __all__ = [
     "megatron_g",
     "parse_mesh",
     "permute",
+    "pipeline",
     "reduce_scatter",
     "ring_all_gather",
     "ring_all_reduce",
     "ring_reduce_scatter",
     "ring_shift",
+    "schedules",
     "set_cpu_devices",
     "sharded",
 ]
