@@ -80,8 +80,10 @@ def test_fsdp_moves_dp_bytes_as_gather_and_scatter():
     fsdp = cost.expected(CFG, Plan({"data": 8}, fsdp=True), 16)
     assert fsdp.total_bytes_sent() == pytest.approx(dp.total_bytes_sent())
     assert bytes_of(fsdp, "all-gather") == bytes_of(fsdp, "reduce-scatter")
-    # One gather and one scatter per FSDP leaf: 12 per block (l = 2 layers) + 7 outer leaves.
-    assert counts(fsdp)[("all-gather", ("data",))] == 12 * 2 + 7
+    # One gather and one scatter per bucket: each layer's 12 leaves (l = 2) and the 7 outer
+    # leaves each travel as one flat buffer.
+    assert counts(fsdp)[("all-gather", ("data",))] == 2 + 1
+    assert counts(fsdp)[("reduce-scatter", ("data",))] == 2 + 1
 
 
 PLANS = [

@@ -25,7 +25,7 @@ Ring model, bytes SENT per device (DESIGN.md), V the bytes named:
 Per strategy (each ``_*_terms`` function states its own formulas and why each is the minimum):
   DP        AR_data of the gradients 2(n−1)/n·P·w; buckets by (sync axes, varying axes, dtype).
   ZeRO-1    RS_data of the gradients + AG_data of the params: 2(n−1)/n·P·w (``zero1_terms``).
-  FSDP      per leaf AG_data forward, RS_data backward: 2(n−1)/n·P·w; with remat the block
+  FSDP      per bucket AG_data forward, RS_data backward: 2(n−1)/n·P·w; with remat the block
             weights are gathered again in backward: ≈ 3(n−1)/n·P·w.
   TP        per block 2 AR_model forward (Megatron g) + 2 backward (Megatron f): 4·l·2(n−1)/n·A·w.
   Megatron-SP  the same bytes as 4 AG + 4 RS per block over the full sequence T'.
@@ -582,41 +582,46 @@ def _gradient_terms(g: Geometry) -> list[Term]:
     return terms
 
 
-# Block leaves whose VALUE the block's backward never reads: the bias added last (its
-# derivative is the identity and nothing downstream of it lies inside the block).
-_UNREAD_IN_BACKWARD = {("blocks", "mlp", "fc2", "bias")}
-
-
 def _fsdp_terms(g: Geometry) -> list[Term]:
-    """FSDP (ZeRO-3) over data: ``w[d_data] --AllGather--> w[d]`` just before use, per leaf.
+    """FSDP (ZeRO-3) over data: ``w[d_data] --AllGather--> w[d]`` just before use, in buckets.
 
-    Autodiff transposes each all-gather into ``dw{U_data} --ReduceScatter--> dw[d_data]``, so
-    gradients arrive split, with no all-reduce. Block leaves are gathered inside the layer
-    loop (l times, one layer's slice each); the gathered weights are kept for backward.
-    Bytes with P_F the FSDP-split elements per device BEFORE the split (still model-split):
-      forward AG (n−1)/n·P_F·w;  backward RS (n−1)/n·P_F·w
-    remat: backward re-runs each block's forward and gathers its weights again, all but
-    ``_UNREAD_IN_BACKWARD``: + (n−1)/n·P_blocks·w, ≈ 3(n−1)/n·P·w in all.
-    One op per leaf: CPU XLA does not combine all-gathers (bucketing would move the same bytes).
+    ``data.fsdp_gather`` moves the split leaves as one flat buffer per bucket — the leaves
+    sharing their varying axes (``fsdp_buckets``: with TP the model-split fragments and the
+    model-replicated leaves; with tokens split, the head, which sees pooled features, apart
+    from the leaves used on token shards) — so a bucket is ONE all-gather however many leaves
+    it holds. Autodiff transposes
+    each into ONE reduce-scatter of the bucket's gradients, so gradients arrive split, with no
+    all-reduce. Block leaves are gathered inside the layer loop (l times, one layer's slice
+    each); the gathered weights are kept for backward. With P_F the FSDP-split elements per
+    device BEFORE the split (still model-split):
+      forward AG (n−1)/n·P_F·w;  backward RS (n−1)/n·P_F·w;  ops: buckets (× l in the loop)
+    remat: backward re-runs each block's forward and gathers its buckets again (a bucket is
+    gathered whole: its leaves are read together), + (n−1)/n·P_blocks·w, ≈ 3(n−1)/n·P·w.
     """
     leaves = [leaf for leaf in param_leaves(g) if "data" in leaf.split]
     outer = [leaf for leaf in leaves if not leaf.in_blocks]
     blocks = [leaf for leaf in leaves if leaf.in_blocks]
-    redo = [leaf for leaf in blocks if leaf.path not in _UNREAD_IN_BACKWARD]
     layers = g.cfg.depth
     return [
         *_fsdp_group(g, "all-gather", outer, 1, "embedding, norms, head", "forward"),
         *_fsdp_group(g, "reduce-scatter", outer, 1, "their gradients", "backward"),
         *_fsdp_group(g, "all-gather", blocks, layers, "block weights, per layer", "forward"),
         *_fsdp_group(g, "reduce-scatter", blocks, layers, "their gradients", "backward"),
-        *_fsdp_group(g, "all-gather", redo * g.plan.remat, layers, "block weights", "recompute"),
+        *_fsdp_group(g, "all-gather", blocks * g.plan.remat, layers, "block weights", "recompute"),
     ]
+
+
+def fsdp_buckets(g: Geometry, leaves: list[Leaf]) -> int:
+    """How many flat buffers ``data.fsdp_gather`` makes of ``leaves``: one per set of varying
+    axes of the fragments (the axes that split a leaf, plus the token axes it is cast to vary
+    over because its gradient is a partial sum there; every ViT param is float32)."""
+    return len({frozenset(leaf.split) | frozenset(sync_axes(g, leaf)) for leaf in leaves})
 
 
 def _fsdp_group(
     g: Geometry, kind: str, leaves: list[Leaf], runs: int, what: str, phase: str
 ) -> list[Term]:
-    """One term for ``leaves``, each gathered (or its gradient scattered) ``runs`` times.
+    """One term for the buckets of ``leaves``, each gathered (or scattered) ``runs`` times.
 
     A leaf's ``local`` elements times n is its gathered size; block leaves hold all l layers,
     so the sum is already the bytes of all ``runs``: (n−1)/n · Σ local·n·w.
@@ -624,7 +629,7 @@ def _fsdp_group(
     n = g.plan.size("data")
     if not leaves:
         return []
-    count = len(leaves) * runs
+    count = fsdp_buckets(g, leaves) * runs
     total = all_gather_bytes(sum(leaf.local * n * WORD for leaf in leaves), n)
     return _term(g, kind, ["data"], count, total / count, what, phase)
 

@@ -109,19 +109,46 @@ def _bucket_psum(arrays: Sequence[Array], axes: Axes) -> list[Array]:
 
 
 @shard_map_primitive
-def fsdp_gather(tree: PyTree, dims_tree: PyTree, axis: str = "data") -> PyTree:
+def fsdp_gather(
+    tree: PyTree, dims_tree: PyTree, axis: str = "data", *, bucket: bool = True
+) -> PyTree:
     """All-gathers each FSDP-split leaf along its split dim: ``w[D_data] -> w[D]``.
 
     ``dims_tree`` matches ``tree`` with the split dim of each leaf, or None for leaves that are
-    not split. Backward: a reduce-scatter of each gradient (the transpose of all-gather).
-    Cost per leaf: (n−1)/n · full bytes forward, the same backward.
+    not split. With ``bucket`` (the default) the split leaves travel as ONE flat buffer per
+    group of leaves sharing a dtype and varying axes (FSDP2's and DDP's buckets): each
+    fragment is flattened with its split dim first, the concatenation is all-gathered once,
+    and every leaf is cut back out of the gathered [n, Σ] buffer. Backward: one reduce-scatter
+    per bucket (the transpose). Leaves with different varying axes never share a buffer: a
+    concatenation would cast the invariant ones, and its transpose would all-reduce their
+    cotangents. ``bucket=False`` gathers leaf by leaf (same bytes, one op per leaf).
+    Cost: (n−1)/n · the gathered bytes forward, the same backward.
     """
-
-    def gather(x: Array, dim: int | None) -> Array:
-        # FSDP: materialise the whole weight just before it is used.
-        return x if dim is None else all_gather(x, axis, axis_dim=dim, tiled=True)
-
-    return jax.tree.map(gather, tree, dims_tree, is_leaf=lambda x: x is None)
+    leaves, treedef = jax.tree.flatten(tree)
+    dims = jax.tree.leaves(dims_tree, is_leaf=lambda x: x is None)
+    if len(dims) != len(leaves):
+        raise ValueError(f"dims_tree has {len(dims)} leaves, the params {len(leaves)}.")
+    out = list(leaves)
+    if not bucket:
+        for i, (x, dim) in enumerate(zip(leaves, dims, strict=True)):
+            if dim is not None:  # FSDP: materialise the whole weight just before it is used.
+                out[i] = all_gather(x, axis, axis_dim=dim, tiled=True)
+        return jax.tree.unflatten(treedef, out)
+    groups: dict[tuple[Any, frozenset[str]], list[int]] = defaultdict(list)
+    for i, (x, dim) in enumerate(zip(leaves, dims, strict=True)):
+        if dim is not None:
+            groups[(x.dtype, frozenset(jax.typeof(x).mat.varying))].append(i)
+    for members in groups.values():
+        flat = [jnp.moveaxis(leaves[i], dims[i], 0).reshape(-1) for i in members]
+        gathered = all_gather(jnp.concatenate(flat), axis)  # [n, Σ sizes]
+        offset = 0
+        for i, piece in zip(members, flat, strict=True):
+            x, dim = leaves[i], dims[i]
+            moved = jnp.moveaxis(x, dim, 0).shape
+            block = gathered[:, offset : offset + piece.size].reshape(-1, *moved[1:])
+            out[i] = jnp.moveaxis(block, 0, dim)  # device-major blocks along the split dim
+            offset += piece.size
+    return jax.tree.unflatten(treedef, out)
 
 
 @shard_map_primitive
