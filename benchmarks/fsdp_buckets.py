@@ -55,7 +55,7 @@ def build(bucket: bool):
 
 runs = {"per leaf": build(False), "bucketed": build(True)}
 times: dict[str, list[float]] = {name: [] for name in runs}
-for name, (compiled, step_args, _) in runs.items():
+for compiled, step_args, _ in runs.values():
     jax.block_until_ready(compiled(*step_args))  # warm
 for _ in range(args.repeats):
     for name, (compiled, step_args, _) in runs.items():
