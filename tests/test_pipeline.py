@@ -210,3 +210,31 @@ def test_ticks_send_one_activation_each_way():
     assert permutes.count == segment_ticks
     assert permutes.bytes_sent == segment_ticks * B * T * D * 4
     assert sends <= segment_ticks
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(micro=3), r"inputs leaf needs a leading dim of 4 microbatches \(M\), got shape \[3,"),
+        (dict(virtual=2), r"stage_params leaf needs a leading dim of 1 chunks per device \(V\)"),
+        (dict(stages=4), "The schedule has 4 stages but the 'stage' axis has 2 devices"),
+    ],
+)
+def test_shapes_that_do_not_fit_the_schedule_are_one_sentence(change, match):
+    """A wrong microbatch or chunk count would be clamped by the indexing, not caught: refused
+    before tracing the loop."""
+    sizes = dict(stages=2, micro=4, virtual=1) | change
+    schedule = sc.one_f_one_b(sizes["stages"], 4)
+    chunks, embed, head = init(2 * sizes["virtual"])
+    x = jnp.zeros((sizes["micro"], B, T, D_IN))
+    t = jnp.zeros((sizes["micro"], B, T, D_OUT))
+    mesh = mesh_of(1, 2, 1)
+
+    def body(chunks, x, t):
+        ends = pl.Ends(embed_fn, embed, loss_fn, head)
+        return pl.pipeline_grads(schedule, stage_fn, chunks, ends, x, t)[0]
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P("stage"), P(), P()), out_specs=P())
+    with pytest.raises(ValueError, match=match) as err:
+        jax.jit(fn).lower(chunks, x, t)
+    assert str(err.value).count(". ") == 0

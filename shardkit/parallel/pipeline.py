@@ -211,11 +211,7 @@ def pipeline_grads(
       the loss params (invariant over ``axis``). Every gradient is still a partial sum over the
       inputs' other axes (``data``): sync them as for any data-parallel gradient.
     """
-    n = jax.lax.axis_size(axis)
-    if n != schedule.stages:
-        raise ValueError(
-            f"The schedule has {schedule.stages} stages but the {axis!r} axis has {n} devices."
-        )
+    _check_shapes(schedule, stage_params, inputs, targets, axis)
     tab = tables(schedule)
     first_input = jax.tree.map(lambda a: a[0], inputs)
     # Everything a branch computes varies over the inputs' axes and the stage; params are cast
@@ -263,6 +259,30 @@ def pipeline_grads(
         (state["loss"], state["embed_grads"], state["loss_grads"]), axis
     )
     return loss, state["grads"], embed_grads, loss_grads
+
+
+def _check_shapes(
+    schedule: Schedule, stage_params: Any, inputs: Any, targets: Any, axis: str
+) -> None:
+    """ValueError (one sentence) unless the mesh, the chunks and the microbatches fit the
+    schedule: an out-of-range microbatch or chunk index would be clamped, not caught."""
+    n = jax.lax.axis_size(axis)
+    if n != schedule.stages:
+        raise ValueError(
+            f"The schedule has {schedule.stages} stages but the {axis!r} axis has {n} devices."
+        )
+    for name, tree, want in (
+        ("stage_params", stage_params, schedule.virtual),
+        ("inputs", inputs, schedule.micro),
+        ("targets", targets, schedule.micro),
+    ):
+        for leaf in jax.tree.leaves(tree):
+            if leaf.ndim == 0 or leaf.shape[0] != want:
+                what = "chunks per device (V)" if name == "stage_params" else "microbatches (M)"
+                raise ValueError(
+                    f"Every {name} leaf needs a leading dim of {want} {what}, got shape "
+                    f"{list(leaf.shape)}."
+                )
 
 
 @dataclasses.dataclass(frozen=True)
