@@ -137,7 +137,7 @@ def fsdp_gather(
     groups: dict[tuple[Any, frozenset[str]], list[int]] = defaultdict(list)
     for i, (x, dim) in enumerate(zip(leaves, dims, strict=True)):
         if dim is not None:
-            groups[(x.dtype, frozenset(jax.typeof(x).mat.varying))].append(i)
+            groups[(x.dtype, varying_axes(x))].append(i)
     for members in groups.values():
         flat = [jnp.moveaxis(leaves[i], dims[i], 0).reshape(-1) for i in members]
         gathered = all_gather(jnp.concatenate(flat), axis)  # [n, Σ sizes]

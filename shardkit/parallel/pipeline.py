@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shardkit.parallel.data import varying_axes
 from shardkit.parallel.schedules import Schedule
 
 StageFn = Callable[[Any, jax.Array], jax.Array]
@@ -425,8 +426,7 @@ def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
 
 
 def _axes_of(x: jax.Array) -> set[str]:
-    """The mesh axes x is typed varying over (check_vma's type)."""
-    return set(jax.typeof(x).mat.varying)
+    return set(varying_axes(x))
 
 
 def _vma(tree: Any) -> set[str]:
