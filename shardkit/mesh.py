@@ -2,6 +2,8 @@
 
 Mesh axes (always these words, in this order):
   ``data``  -- the batch; FSDP/ZeRO also split params and optimizer state over it.
+  ``stage`` -- pipeline stages (layers; ``parallel.pipeline``). The sharded ViT does not run a
+               pipeline yet, so its plans keep stage = 1.
   ``seq``   -- tokens (ring attention, Ulysses, their hybrid).
   ``model`` -- attention heads and the MLP hidden width (tensor parallelism, Megatron-SP).
 
@@ -21,7 +23,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-AXES = ("data", "seq", "model")
+AXES = ("data", "stage", "seq", "model")
 SP_MODES = ("none", "megatron", "ring", "ulysses", "usp")
 
 
@@ -43,7 +45,7 @@ def set_cpu_devices(n: int) -> None:
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
-    """Parses ``"data=2,model=4"`` into ``{"data": 2, "seq": 1, "model": 4}``."""
+    """Parses ``"data=2,model=4"`` into ``{"data": 2, "stage": 1, "seq": 1, "model": 4}``."""
     shape = dict.fromkeys(AXES, 1)
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, eq, size = part.partition("=")
@@ -58,7 +60,7 @@ def parse_mesh(spec: str) -> dict[str, int]:
 def make_mesh(
     shape: dict[str, int] | None = None, devices: Sequence[jax.Device] | None = None
 ) -> Mesh:
-    """A ``data × seq × model`` mesh (Auto axes) over the first prod(shape) devices.
+    """A ``data × stage × seq × model`` mesh (Auto axes) over the first prod(shape) devices.
 
     Args:
       shape: axis sizes, e.g. ``{"data": 2, "model": 4}``; omitted axes are 1.
@@ -87,7 +89,8 @@ def make_mesh(
 
 
 def format_mesh(shape: dict[str, int]) -> str:
-    return ",".join(f"{a}={shape.get(a, 1)}" for a in AXES)
+    """``"data=2,seq=1,model=4"``: every axis but ``stage``, which is named only when > 1."""
+    return ",".join(f"{a}={shape.get(a, 1)}" for a in AXES if a != "stage" or shape.get(a, 1) > 1)
 
 
 @dataclasses.dataclass(frozen=True)

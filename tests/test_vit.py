@@ -26,7 +26,7 @@ from hypothesis import example, given
 
 import vit_ref
 from shardkit import verify
-from shardkit.mesh import Plan, PlanError, make_mesh, parse_mesh
+from shardkit.mesh import Plan, PlanError, format_mesh, make_mesh, parse_mesh
 from shardkit.testing import assert_trees_close, sharded_cases
 from shardkit.vit import ShardedViT, check_plan
 from vit_ref.train import apply_optimizer
@@ -307,6 +307,7 @@ PLAN_ERRORS = [
     ({}, Plan({"model": 3}), "mlp_dim=10 is not divisible by model=3"),
     ({}, Plan({"data": 8}, fsdp=True), "dim=12 is not divisible by data=8"),
     ({}, Plan({"seq": 2}), "sp='none' does not split tokens over seq, but the mesh has seq=2"),
+    ({}, Plan({"stage": 2}), "The mesh has stage=2, but the sharded ViT does not run a pipeline"),
     (
         {},
         Plan({"data": 2}, sp="megatron"),
@@ -376,10 +377,10 @@ def test_check_plan_names_dimension_axis_and_sizes(kwargs: dict, plan: Plan, mat
             lambda: ShardedViT(CFG, Plan({"data": 3, "seq": 3}, sp="ring")),
             "needs 9 devices but only 8",
         ),
-        (lambda: make_mesh({"pipe": 2}), "Unknown mesh axis 'pipe'; axes are data, seq, model"),
+        (lambda: make_mesh({"pipe": 2}), "Unknown mesh axis 'pipe'; axes are data, stage, seq, model"),
         (
             lambda: parse_mesh("data=2,pipe=2"),
-            "Unknown mesh axis 'pipe'; axes are data, seq, model",
+            "Unknown mesh axis 'pipe'; axes are data, stage, seq, model",
         ),
         (lambda: Plan({"pipe": 2}), "Unknown mesh axis 'pipe'"),
         (
@@ -398,10 +399,12 @@ def test_mesh_and_plan_errors(make: Any, match: str) -> None:
 
 
 def test_parse_mesh_fills_omitted_axes() -> None:
-    assert parse_mesh("model=4, data=2") == {"data": 2, "seq": 1, "model": 4}
-    assert parse_mesh("") == {"data": 1, "seq": 1, "model": 1}
-    assert Plan({"model": 2}).mesh == {"data": 1, "seq": 1, "model": 2}
-    assert dict(make_mesh({"seq": 2}).shape) == {"data": 1, "seq": 2, "model": 1}
+    assert parse_mesh("model=4, data=2") == {"data": 2, "stage": 1, "seq": 1, "model": 4}
+    assert parse_mesh("") == {"data": 1, "stage": 1, "seq": 1, "model": 1}
+    assert Plan({"model": 2}).mesh == {"data": 1, "stage": 1, "seq": 1, "model": 2}
+    assert format_mesh(parse_mesh("model=4")) == "data=1,seq=1,model=4"  # stage only when > 1
+    assert format_mesh(parse_mesh("stage=2,model=4")) == "data=1,stage=2,seq=1,model=4"
+    assert dict(make_mesh({"seq": 2}).shape) == {"data": 1, "stage": 1, "seq": 2, "model": 1}
 
 
 # The default verify matrix runs once, through the CLI: tests/test_cli.py.

@@ -73,6 +73,11 @@ def check_plan(cfg: vit_ref.ViTConfig, plan: Plan, batch: int | None = None) -> 
     """Raises PlanError (one sentence: dimension, axis, sizes) if ``plan`` cannot run ``cfg``."""
     data, seq, model = (plan.size(a) for a in ("data", "seq", "model"))
     checks = [
+        (
+            plan.size("stage") > 1,
+            f"The mesh has stage={plan.size('stage')}, but the sharded ViT does not run a "
+            "pipeline yet (parallel.pipeline runs your own stages); use stage=1",
+        ),
         (batch is not None and batch % data, f"batch={batch} is not divisible by data={data}"),
         (cfg.heads % model, f"heads={cfg.heads} is not divisible by model={model}"),
         (cfg.mlp_dim % model, f"mlp_dim={cfg.mlp_dim} is not divisible by model={model}"),
