@@ -1,7 +1,7 @@
 """shardkit: hand-written tensor, sequence and data parallelism in JAX ``shard_map``.
 
 Layers (each imports only the ones below it; primitives assume no particular model):
-  mesh         CPU devices, ``data × seq × model`` meshes, the ``Plan``
+  mesh         CPU devices, ``data × stage × seq × model`` meshes, the ``Plan``
   parallel/    collectives, tensor, sequence, data, schedules + pipeline: primitives for
                shard_map bodies
   models/      sharded: ``ShardedModel``, any model's specs, sync, optimizer layout and

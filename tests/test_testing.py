@@ -171,7 +171,7 @@ def test_sharded_cases_reach_the_hard_cases() -> None:
         "fsdp over 3": (dp_tp, lambda c: c[1].fsdp and c[1].size("data") == 3),
         "gap + sincos2d": (dp_tp, lambda c: c[0].pool == "gap" and c[0].posemb == "sincos2d"),
         "tok + learn": (dp_tp, lambda c: c[0].pool == "tok" and c[0].posemb == "learn"),
-        "3-D mesh": (all_modes, lambda c: min(c[1].mesh.values()) > 1),
+        "3-D mesh": (all_modes, lambda c: min(c[1].size(a) for a in ("data", "seq", "model")) > 1),
         "fewer tokens than seq devices": (
             all_modes,
             lambda c: c[1].sp in ("ring", "ulysses") and c[0].num_tokens < c[1].size("seq"),

@@ -377,7 +377,10 @@ def test_check_plan_names_dimension_axis_and_sizes(kwargs: dict, plan: Plan, mat
             lambda: ShardedViT(CFG, Plan({"data": 3, "seq": 3}, sp="ring")),
             "needs 9 devices but only 8",
         ),
-        (lambda: make_mesh({"pipe": 2}), "Unknown mesh axis 'pipe'; axes are data, stage, seq, model"),
+        (
+            lambda: make_mesh({"pipe": 2}),
+            "Unknown mesh axis 'pipe'; axes are data, stage, seq, model",
+        ),
         (
             lambda: parse_mesh("data=2,pipe=2"),
             "Unknown mesh axis 'pipe'; axes are data, stage, seq, model",
