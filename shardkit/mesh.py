@@ -2,8 +2,8 @@
 
 Mesh axes (always these words, in this order):
   ``data``  -- the batch; FSDP/ZeRO also split params and optimizer state over it.
-  ``stage`` -- pipeline stages (layers; ``parallel.pipeline``). The sharded ViT does not run a
-               pipeline yet, so its plans keep stage = 1.
+  ``stage`` -- pipeline stages (layers; ``parallel.pipeline``): a plan with stage > 1 names its
+               schedule (``Plan.pp``).
   ``seq``   -- tokens (ring attention, Ulysses, their hybrid).
   ``model`` -- attention heads and the MLP hidden width (tensor parallelism, Megatron-SP).
 
@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 AXES = ("data", "stage", "seq", "model")
 SP_MODES = ("none", "megatron", "ring", "ulysses", "usp")
+PP_MODES = ("none", "gpipe", "1f1b", "interleaved", "zb")
 
 
 class PlanError(ValueError):
@@ -107,6 +108,10 @@ class Plan:
       fsdp: split params (and optimizer state) over ``data``; gather before use (ZeRO-3).
       remat: recompute each block in backward; with FSDP the gathered weights are then not
         kept but gathered again.
+      pp: the pipeline schedule over ``stage`` (``parallel.schedules``): none, gpipe, 1f1b,
+        interleaved or zb (ZB-H1); needs stage > 1, and stage > 1 needs one.
+      microbatches: M, the pipeline's microbatches per data-local batch (1 without a pipeline).
+      virtual: V, layer chunks per stage (``interleaved`` only).
     """
 
     mesh: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(AXES, 1))
@@ -114,6 +119,9 @@ class Plan:
     ulysses: int | None = None
     fsdp: bool = False
     remat: bool = False
+    pp: str = "none"
+    microbatches: int = 1
+    virtual: int = 1
 
     def __post_init__(self) -> None:
         full = {**dict.fromkeys(AXES, 1), **self.mesh}
@@ -128,6 +136,14 @@ class Plan:
         object.__setattr__(self, "mesh", full)
         if self.sp not in SP_MODES:
             raise PlanError(f"Unknown sp mode {self.sp!r}; choose one of {', '.join(SP_MODES)}.")
+        if self.pp not in PP_MODES:
+            raise PlanError(
+                f"Unknown pipeline schedule {self.pp!r}; choose one of {', '.join(PP_MODES)}."
+            )
+        for name in ("microbatches", "virtual"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise PlanError(f"--{name} must be a positive integer, got {value!r}.")
 
     @property
     def num_devices(self) -> int:

@@ -1,4 +1,5 @@
-"""The sharded ViT: ``vit_ref``'s model on a ``data × seq × model`` mesh, by hand in shard_map.
+"""The sharded ViT: ``vit_ref``'s model on a ``data × stage × seq × model`` mesh, by hand in
+shard_map.
 
 It consumes exactly the params pytree of ``vit_ref.init`` and places it with specs derived from
 ``vit_ref.param_axes`` through one rules table (``RULES``); nothing here writes a
@@ -23,6 +24,15 @@ model shards back to the seq split T_seq, and attention runs its ring / Ulysses 
 seq on those, exactly as the other sp modes do). The optimizer update runs outside the
 shard_map on arrays already sharded like their params, so it moves nothing.
 
+Pipeline (``plan.pp``, stage > 1): the stacked layers are split over ``stage`` in S·V chunks of
+depth/(S·V) layers (chunk c on device c mod S; ``layer_order`` stores them so, and
+``to_reference`` maps any params-shaped tree back to vit_ref's order), and
+``parallel.pipeline`` runs the schedule on M microbatches of the data-local batch: the
+embedding is chunk 0's prologue, the final norm, pooling, head and cross-entropy the last
+chunk's epilogue. Under FSDP each device gathers its own layers (and the embedding and head)
+once per step, before the schedule, and reduce-scatters their gradients once after it (as
+torchtitan does under a pipeline), instead of per microbatch.
+
 Token layout: T is padded to a multiple of the token-shard count (a ViT has patches + 1
 tokens); padded keys are masked in attention and excluded from pooling; ``gap`` divides by the
 true token count.
@@ -38,6 +48,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -47,6 +58,8 @@ import vit_ref
 from shardkit.mesh import Plan, PlanError, format_mesh, logical_specs, make_mesh
 from shardkit.models import sharded
 from shardkit.parallel import data as dp
+from shardkit.parallel import pipeline as pl
+from shardkit.parallel import schedules
 from shardkit.parallel import sequence as sp
 from shardkit.parallel.tensor import attention_tp, mlp_tp
 from vit_ref import model as ref
@@ -58,11 +71,16 @@ AttentionCore = Callable[[Array, Array, Array], Array]
 RULES: dict[str, str] = {"heads": "model", "mlp": "model"}
 # The leaves used only after the token reduction (pooling): their gradients are whole.
 TOKEN_FREE = ("head",)
+# Under a pipeline: the leaves chunk 0's prologue uses, and the last chunk's epilogue.
+EMBED_LEAVES = ("embedding", "cls", "pos_embedding")
+HEAD_LEAVES = ("encoder_norm", "head")
 
 
 def rules(plan: Plan) -> dict[str, str]:
     """The logical-to-mesh axis table for ``plan``; axes of size 1 split nothing."""
     table = {**RULES, "embed": "data"} if plan.fsdp else dict(RULES)
+    if plan.pp != "none":
+        table["layers"] = "stage"
     return {name: axis for name, axis in table.items() if plan.size(axis) > 1}
 
 
@@ -73,11 +91,6 @@ def check_plan(cfg: vit_ref.ViTConfig, plan: Plan, batch: int | None = None) -> 
     """Raises PlanError (one sentence: dimension, axis, sizes) if ``plan`` cannot run ``cfg``."""
     data, seq, model = (plan.size(a) for a in ("data", "seq", "model"))
     checks = [
-        (
-            plan.size("stage") > 1,
-            f"The mesh has stage={plan.size('stage')}, but the sharded ViT does not run a "
-            "pipeline yet (parallel.pipeline runs your own stages); use stage=1",
-        ),
         (batch is not None and batch % data, f"batch={batch} is not divisible by data={data}"),
         (cfg.heads % model, f"heads={cfg.heads} is not divisible by model={model}"),
         (cfg.mlp_dim % model, f"mlp_dim={cfg.mlp_dim} is not divisible by model={model}"),
@@ -118,6 +131,72 @@ def check_plan(cfg: vit_ref.ViTConfig, plan: Plan, batch: int | None = None) -> 
             raise PlanError(message + ".")
     if plan.sp in ("usp", "megatron") and seq > 1:
         ulysses_factor(cfg, plan)
+    check_pipeline(cfg, plan, batch)
+
+
+def check_pipeline(cfg: vit_ref.ViTConfig, plan: Plan, batch: int | None = None) -> None:
+    """PlanError (one sentence) unless the stage axis, the schedule, the depth, the virtual
+    stages and the microbatches fit each other."""
+    stages, micro, virtual = plan.size("stage"), plan.microbatches, plan.virtual
+    local = None if batch is None else batch // plan.size("data")
+    none = plan.pp == "none"
+    checks = [
+        (
+            none and stages > 1,
+            f"The mesh has stage={stages} but no pipeline schedule; give --pp gpipe, 1f1b, "
+            "interleaved or zb",
+        ),
+        (none and micro > 1, f"--microbatches {micro} only applies with a pipeline (--pp)"),
+        (none and virtual > 1, f"--virtual {virtual} only applies with --pp interleaved"),
+        (
+            not none and stages == 1,
+            f"--pp {plan.pp} needs a stage axis of size > 1 in --mesh (it has stage=1)",
+        ),
+        (
+            not none and virtual > 1 and plan.pp != "interleaved",
+            f"--virtual {virtual} only applies to --pp interleaved, not --pp {plan.pp}",
+        ),
+        (
+            not none and cfg.depth % (stages * virtual),
+            f"depth={cfg.depth} is not divisible by stage×virtual = {stages}×{virtual} "
+            "(every chunk holds the same number of layers)",
+        ),
+        (
+            not none and local is not None and local % micro,
+            f"The data-local batch ({batch}//{plan.size('data')}={local}) is not divisible by "
+            f"--microbatches {micro}",
+        ),
+    ]
+    for failed, message in checks:
+        if failed:
+            raise PlanError(message + ".")
+    seq = plan.size("seq")
+    if not none and seq > 1 and ulysses_factor(cfg, plan) < seq:
+        raise PlanError(
+            f"--pp {plan.pp} cannot run a ring over seq (--sp {plan.sp}): the ring's ppermute "
+            "would run inside a schedule branch that only some stages take, which XLA cannot "
+            f"do; use --sp ulysses (or --ulysses {seq})."
+        )
+    if not none:
+        schedules.build(plan.pp, stages, micro, virtual)  # M vs S, --virtual vs the schedule
+
+
+def schedule(plan: Plan) -> schedules.Schedule:
+    """The pipeline schedule of ``plan`` (stage > 1)."""
+    return schedules.build(plan.pp, plan.size("stage"), plan.microbatches, plan.virtual)
+
+
+def layer_order(cfg: vit_ref.ViTConfig, plan: Plan) -> np.ndarray:
+    """order[p] = the vit_ref layer stored at position p of the stacked blocks.
+
+    Split over S stages, position p = (s, v, j) (row-major over [S, V, depth/(S·V)]) is layer j
+    of chunk v·S + s: each device's contiguous block holds its chunks s, s+S, ... in order. The
+    identity unless V > 1.
+    """
+    stages, virtual = plan.size("stage"), plan.virtual
+    per_chunk = cfg.depth // (stages * virtual)
+    s, v, j = np.meshgrid(range(stages), range(virtual), range(per_chunk), indexing="ij")
+    return ((v * stages + s) * per_chunk + j).reshape(-1)
 
 
 def ulysses_factor(cfg: vit_ref.ViTConfig, plan: Plan) -> int:
@@ -272,10 +351,13 @@ def _block_local(
 
 
 def _encoder_local(
-    x: Array, blocks: Params, cfg: vit_ref.ViTConfig, plan: Plan, lay: Layout
+    x: Array, blocks: Params, cfg: vit_ref.ViTConfig, plan: Plan, lay: Layout, gather: bool = True
 ) -> Array:
-    """lax.scan over the stacked layers; FSDP gathers each layer's weights inside the body."""
+    """lax.scan over the stacked layers; FSDP gathers each layer's weights inside the body
+    (``gather=False``: the blocks are whole already, as a pipeline chunk's are)."""
     dims = sharded.gather_dims(param_specs(cfg, plan)["blocks"], "data", drop_leading=1)
+    if not gather:
+        dims = jax.tree.map(lambda _: None, blocks)
     key_valid = None  # sequence-parallel attention masks padding by position (num_valid)
     if lay.megatron and lay.attention == "local" and lay.padded:  # attends over all tokens
         key_valid = jnp.arange(lay.padded_tokens) < lay.num_tokens
@@ -302,6 +384,13 @@ def _pool_local(x: Array, cfg: vit_ref.ViTConfig, lay: Layout) -> Array:
     return pooled if cfg.pool == "tok" else pooled / lay.num_tokens
 
 
+def _head_local(p: Params, x: Array, cfg: vit_ref.ViTConfig, lay: Layout) -> Array:
+    """logits[B, O] from the last block's output: final norm, pooling over token shards, head."""
+    pooled = _pool_local(ref.layer_norm(x, p["encoder_norm"]), cfg, lay)
+    logits = ref.dense(pooled, p["head"], "bd,do->bo", ref.compute_dtype(cfg))
+    return logits.astype(jnp.float32)
+
+
 def _logits_local(
     params: Params, images: Array, cfg: vit_ref.ViTConfig, plan: Plan, lay: Layout
 ) -> Array:
@@ -311,9 +400,41 @@ def _logits_local(
     outer = dp.fsdp_gather(outer, sharded.gather_dims({k: specs[k] for k in outer}, "data"))
     x = _embed_local(outer, images, cfg, lay)
     x = _encoder_local(x, params["blocks"], cfg, plan, lay)
-    pooled = _pool_local(ref.layer_norm(x, outer["encoder_norm"]), cfg, lay)
-    logits = ref.dense(pooled, outer["head"], "bd,do->bo", ref.compute_dtype(cfg))
-    return logits.astype(jnp.float32)
+    return _head_local(outer, x, cfg, lay)
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+
+def _microbatches(x: Array, micro: int) -> Array:
+    """[b, ...] -> [M, b/M, ...]: microbatch m holds local examples m·b/M ... (m+1)·b/M − 1."""
+    return x.reshape(micro, x.shape[0] // micro, *x.shape[1:])
+
+
+def _chunks(blocks: Params, virtual: int) -> Params:
+    """This device's layers [V·n, ...] (in ``layer_order``) as V chunks [V, n, ...]."""
+    return jax.tree.map(lambda a: a.reshape(virtual, a.shape[0] // virtual, *a.shape[1:]), blocks)
+
+
+def _pipeline_fns(cfg: vit_ref.ViTConfig, plan: Plan, lay: Layout) -> tuple[Callable, ...]:
+    """(embed_fn, stage_fn, head_fn) of the ViT cut into pipeline chunks (params whole)."""
+
+    def stage_fn(chunk: Params, x: Array) -> Array:
+        return _encoder_local(x, chunk, cfg, plan, lay, gather=False)
+
+    def embed_fn(p: Params, images: Array) -> Array:
+        return _embed_local(p, images, cfg, lay)
+
+    def head_fn(p: Params, y: Array) -> Array:
+        return _head_local(p, y, cfg, lay)
+
+    return embed_fn, stage_fn, head_fn
+
+
+def _split_outer(params: Params) -> tuple[Params, Params]:
+    """(the embedding's leaves, the head's leaves) of a params tree."""
+    embed = {k: params[k] for k in EMBED_LEAVES if k in params}
+    return embed, {k: params[k] for k in HEAD_LEAVES}
 
 
 # ----------------------------------------------------------------------------- public
@@ -349,13 +470,32 @@ class ShardedViT(sharded.ShardedModel):
         )
 
     def __repr__(self) -> str:
+        pp = "" if self.plan.pp == "none" else (
+            f", pp={self.plan.pp!r}, microbatches={self.plan.microbatches}, "
+            f"virtual={self.plan.virtual}"
+        )
         return (
             f"ShardedViT(mesh={format_mesh(self.plan.mesh)}, sp={self.plan.sp!r}, "
-            f"fsdp={self.plan.fsdp}, remat={self.plan.remat})"
+            f"fsdp={self.plan.fsdp}, remat={self.plan.remat}{pp})"
         )
+
+    @property
+    def pipelined(self) -> bool:
+        return self.plan.pp != "none"
 
     def check_batch(self, batch: int) -> None:
         check_plan(self.cfg, self.plan, batch)
+
+    def shard(self, params: Params) -> Params:
+        """Places a copy of vit_ref's ``params`` on the mesh (blocks in ``layer_order``)."""
+        return super().shard(_reorder(params, layer_order(self.cfg, self.plan)))
+
+    def to_reference(self, tree: Params) -> Params:
+        """A params-shaped tree of this model (params, gradients) in vit_ref's layer order.
+
+        The identity unless the interleaved schedule stores the layers in ``layer_order``.
+        """
+        return _reorder(tree, np.argsort(layer_order(self.cfg, self.plan)))
 
     def shard_batch(self, *arrays: Array) -> tuple[Array, ...]:
         """Splits arrays along their first (batch) dim over ``data``: the images alone (for
@@ -368,6 +508,8 @@ class ShardedViT(sharded.ShardedModel):
         """Jitted ``(params, images[B, H, W, C]) -> logits[B, O]`` (batch split over data)."""
 
         def body(params: Params, images: Array) -> Array:
+            if self.pipelined:
+                return self._pipeline_logits_local(params, images)
             return _logits_local(params, images, self.cfg, self.plan, self.layout)
 
         return jax.jit(self.shard_map(body, (self.specs, self.batch_spec), self.batch_spec))
@@ -378,3 +520,84 @@ class ShardedViT(sharded.ShardedModel):
         logits = _logits_local(params, images, self.cfg, self.plan, self.layout)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
         return ce.sum() / global_batch
+
+    # ------------------------------------------------------------------------- pipeline
+
+    def loss_and_grads_local(
+        self, params: Params, images: Array, labels: Array
+    ) -> tuple[Array, Params]:
+        """Inside shard_map: (global loss, synced gradients sharded like params)."""
+        if not self.pipelined:
+            return super().loss_and_grads_local(params, images, labels)
+        return self._pipeline_grads_local(params, images, labels)
+
+    def _pipeline_grads_local(
+        self, params: Params, images: Array, labels: Array
+    ) -> tuple[Array, Params]:
+        """The schedule's forward and backward on M microbatches of the local batch.
+
+        Params are cast varying over their sync axes (as without a pipeline), FSDP-gathered
+        once (this device's layers, the embedding and the head), run by
+        ``pipeline.pipeline_grads``, and the gradients reduce-scattered by the gather's
+        transpose and all-reduced by ``sync_grads``; the embedding's and the head's are summed
+        over ``stage`` by the engine (only the first / last stage adds to them).
+        """
+        plan, micro = self.plan, self.plan.microbatches
+        global_batch = images.shape[0] * self.mesh.shape["data"]
+        embed_fn, stage_fn, head_fn = _pipeline_fns(self.cfg, plan, self.layout)
+
+        def loss_fn(p: Params, y: Array, labels_m: Array) -> Array:
+            ce = optax.softmax_cross_entropy_with_integer_labels(head_fn(p, y), labels_m)
+            return ce.sum() / global_batch
+
+        dims = self.gather_dims()
+        whole, scatter = jax.vjp(
+            lambda p: dp.fsdp_gather(p, dims), dp.vary(params, self.sync_axes)
+        )
+        embed_p, head_p = _split_outer(whole)
+        loss, d_chunks, d_embed, d_head = pl.pipeline_grads(
+            schedule(plan),
+            stage_fn,
+            _chunks(whole["blocks"], plan.virtual),
+            pl.Ends(embed_fn, embed_p, loss_fn, head_p),
+            _microbatches(images, micro),
+            _microbatches(labels, micro),
+        )
+        d_blocks = jax.tree.map(lambda g, w: g.reshape(w.shape), d_chunks, whole["blocks"])
+        d_whole = {**d_embed, **d_head, "blocks": d_blocks}
+        (grads,) = scatter(jax.tree.map(_typed_like, {k: d_whole[k] for k in whole}, whole))
+        grads = dp.sync_grads(grads, self.sync_axes)
+        axes = tuple(a for a in self.mesh.axis_names if a in dp.varying_axes(loss))
+        return (jax.lax.psum(loss, axes) if axes else loss), grads
+
+    def _pipeline_logits_local(self, params: Params, images: Array) -> Array:
+        """logits[B_data, O]: the schedule's forwards alone (``pipeline.pipeline_forward``)."""
+        plan = self.plan
+        embed_fn, stage_fn, head_fn = _pipeline_fns(self.cfg, plan, self.layout)
+        whole = dp.fsdp_gather(params, self.gather_dims())
+        embed_p, head_p = _split_outer(whole)
+        logits = pl.pipeline_forward(
+            schedule(plan),
+            stage_fn,
+            _chunks(whole["blocks"], plan.virtual),
+            embed_fn,
+            embed_p,
+            head_fn,
+            head_p,
+            _microbatches(images, plan.microbatches),
+        )
+        return logits.reshape(images.shape[0], *logits.shape[2:])
+
+
+def _reorder(tree: Params, order: np.ndarray) -> Params:
+    """``tree`` with every stacked block leaf indexed by ``order`` along its layer dim."""
+    if np.array_equal(order, np.arange(len(order))):
+        return tree
+    return {**tree, "blocks": jax.tree.map(lambda a: a[order], tree["blocks"])}
+
+
+def _typed_like(g: Array, ref_: Array) -> Array:
+    """A gradient cast to its primal's varying axes (the pipeline types it over more, e.g.
+    ``stage`` for the embedding's after its sum over stage, or ``data``)."""
+    extra = tuple(a for a in dp.varying_axes(ref_) if a not in dp.varying_axes(g))
+    return jax.lax.pcast(g, extra, to="varying") if extra else g

@@ -20,6 +20,16 @@ last chunk (``loss_fn(loss_params, y, target) -> scalar``). Per device s of the 
   W  (split schedules) the same vjp, for the weights only: XLA drops the unused half of each
      branch, so B computes only the input gradient and W only the weight gradient.
 
+Collectives inside a chunk (or the embedding, or the loss) run inside the branch of the stage
+that runs it, while the other stages run other branches. A collective whose device groups lie
+within one stage is sound there (``psum``, ``all_gather``, ``psum_scatter``, ``all_to_all``
+over ``model`` or ``seq``: tensor parallelism, Ulysses). A ``ppermute`` is not: XLA's
+collective-permute is one instruction over every device its pairs name, across all stages, so
+running it in a branch that some stages skip is not a valid program (measured on jax 0.10.2
+CPU: wrong values, no error). The engine refuses such a function in one sentence
+(``_check_no_permutes``); ring attention inside a pipeline stage is therefore refused, and
+Ulysses is the sequence-parallel core that composes.
+
 Buffers hold only what the schedule keeps in flight: the stash, the activation inbox and the
 cotangent inbox each have as many slots as the busiest stage's most simultaneously live
 entries (``tables``: slots assigned statically by interval colouring), so 1F1B's stash has S
@@ -233,6 +243,15 @@ def pipeline_grads(
             f"{sorted(_axes_of(x0))} to the same type, got {y0.dtype}{list(y0.shape)} varying "
             f"over {sorted(_axes_of(y0))}."
         )
+    _check_no_permutes(
+        lambda p, x, ep, lp, i, t: (
+            jax.vjp(stage_fn, p, x)[1](y0),
+            jax.vjp(ends.embed_fn, ep, i),
+            jax.value_and_grad(ends.loss_fn, argnums=(0, 1))(lp, y0, t),
+        ),
+        chunk0, x0, ends.embed_params, ends.loss_params, first_input,
+        jax.tree.map(lambda a: a[0], targets),
+    )  # fmt: skip
     leaves, vjp_def = jax.tree.flatten(proto)
     keep = _param_mask(leaves, chunk0)
     fill = np.nan if poison else 0.0
@@ -263,7 +282,7 @@ def pipeline_grads(
 
 
 def _check_shapes(
-    schedule: Schedule, stage_params: Any, inputs: Any, targets: Any, axis: str
+    schedule: Schedule, stage_params: Any, inputs: Any, targets: Any | None, axis: str
 ) -> None:
     """ValueError (one sentence) unless the mesh, the chunks and the microbatches fit the
     schedule: an out-of-range microbatch or chunk index would be clamped, not caught."""
@@ -275,7 +294,7 @@ def _check_shapes(
     for name, tree, want in (
         ("stage_params", stage_params, schedule.virtual),
         ("inputs", inputs, schedule.micro),
-        ("targets", targets, schedule.micro),
+        ("targets", () if targets is None else targets, schedule.micro),
     ):
         for leaf in jax.tree.leaves(tree):
             if leaf.ndim == 0 or leaf.shape[0] != want:
@@ -411,7 +430,176 @@ def _apply_vjp(
     return state, zeros, _like(dx, zeros) if send else zeros
 
 
+# ----------------------------------------------------------------------------- forward only
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardTables:
+    """A schedule's forwards alone, as the int32 arrays [ticks, S] ``pipeline_forward`` scans.
+
+    The schedule's F actions in their order, ticks without one dropped (the order, hence
+    every dependency, is kept). branch: 0 idle, else 1 + 2·first chunk + last chunk; micro,
+    virtual, x_in, x_arrive as in :class:`Tables`; sends [ticks]: some stage sends.
+    """
+
+    branch: np.ndarray
+    micro: np.ndarray
+    virtual: np.ndarray
+    x_in: np.ndarray
+    x_arrive: np.ndarray
+    sends: np.ndarray
+    x_slots: int
+
+    def rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
+        names = ("branch", "micro", "virtual", "x_in", "x_arrive")
+        return {name: getattr(self, name)[start:stop] for name in names}
+
+    def segments(self) -> list[tuple[int, int, bool]]:
+        """Runs (start, stop, sends) of ticks with the same send pattern."""
+        out: list[tuple[int, int, bool]] = []
+        for tick, key in enumerate(self.sends.tolist()):
+            if out and out[-1][2] == key:
+                out[-1] = (out[-1][0], tick + 1, key)
+            else:
+                out.append((tick, tick + 1, key))
+        return out
+
+
+def forward_tables(schedule: Schedule) -> ForwardTables:
+    """The forward-only tables of ``schedule`` (for inference: no stash, no cotangents)."""
+    S, C = schedule.stages, schedule.chunks
+    rows = [
+        [a if a is not None and a.kind == "F" else None for a in row] for row in schedule.grid
+    ]
+    rows = [row for row in rows if any(a is not None for a in row)]
+    when = {
+        (a.virtual * S + s, a.micro): t
+        for t, row in enumerate(rows)
+        for s, a in enumerate(row)
+        if a is not None
+    }
+    x_box = {(c, m): (c % S, when[(c - 1, m)] + 1, t) for (c, m), t in when.items() if c > 0}
+    slots = _colour(x_box)
+    shape = (len(rows), S)
+    branch, micro, virtual = (np.zeros(shape, np.int32) for _ in range(3))
+    x_in, x_arrive = np.full(shape, -1, np.int32), np.full(shape, -1, np.int32)
+    sends = np.zeros(len(rows), bool)
+    for (c, m), t in when.items():
+        s = c % S
+        branch[t, s] = 1 + 2 * (c == 0) + (c == C - 1)
+        micro[t, s], virtual[t, s] = m, c // S
+        sends[t] |= c < C - 1
+        if c > 0:
+            x_in[t, s] = slots[(c, m)]
+            x_arrive[x_box[(c, m)][1], s] = slots[(c, m)]
+    size = 1 + max(slots.values(), default=0)
+    return ForwardTables(branch, micro, virtual, x_in, x_arrive, sends, size)
+
+
+def pipeline_forward(
+    schedule: Schedule,
+    stage_fn: StageFn,
+    stage_params: Any,
+    embed_fn: EmbedFn,
+    embed_params: Any,
+    head_fn: Callable[[Any, jax.Array], jax.Array],
+    head_params: Any,
+    inputs: Any,
+    *,
+    axis: str = "stage",
+) -> jax.Array:
+    """The schedule's forwards alone; call inside ``shard_map`` over ``axis``.
+
+    ``head_fn(head_params, y) -> out`` runs after the last chunk (an inference head: logits).
+    Returns out[M, ...] of every microbatch, the same on every stage (summed over ``axis``
+    from the one device that holds the last chunk; the others contribute zeros).
+    """
+    _check_shapes(schedule, stage_params, inputs, None, axis)
+    tab = forward_tables(schedule)
+    act_axes = _vma(inputs) | {axis}
+    stage_params = _vary_tree(stage_params, act_axes)
+    embed_params = _vary_tree(embed_params, act_axes)
+    head_params = _vary_tree(head_params, act_axes)
+    x0 = _vary(embed_fn(embed_params, jax.tree.map(lambda a: a[0], inputs)), act_axes)
+    chunk0 = jax.tree.map(lambda a: a[0], stage_params)
+    _check_no_permutes(
+        lambda p, x, ep, hp, i: (stage_fn(p, x), embed_fn(ep, i), head_fn(hp, x)),
+        chunk0, x0, embed_params, head_params, jax.tree.map(lambda a: a[0], inputs),
+    )  # fmt: skip
+    out0 = head_fn(head_params, stage_fn(chunk0, x0))
+    act = jnp.zeros_like(x0)
+    state = dict(
+        x_box=_buffer(tab.x_slots, act, 0.0),
+        out=_buffer(schedule.micro, _vary(out0, act_axes), 0.0),
+        recv=act,
+    )
+    stage = jax.lax.axis_index(axis)
+    S, V = schedule.stages, schedule.virtual
+    pairs = [(s, (s + 1) % S) for s in range(S if V > 1 else S - 1)]
+
+    def forward(first: bool, last: bool, state: dict[str, Any], row: Row) -> tuple[Any, Any]:
+        state = dict(state)
+        chunk = jax.tree.map(lambda a: a[row["virtual"]], stage_params)
+        if first:
+            x = _like(embed_fn(embed_params, _micro(inputs, row)), act)
+        else:
+            x = state["x_box"][jnp.maximum(row["x_in"], 0)]
+        y = stage_fn(chunk, x)
+        if not last:
+            return state, _like(y, act)
+        out = _like(head_fn(head_params, y), state["out"])
+        state["out"] = jax.lax.dynamic_update_index_in_dim(state["out"], out, row["micro"], 0)
+        return state, act
+
+    branches = [lambda state, row: (state, act)] + [
+        functools.partial(forward, first, last) for first in (False, True) for last in (False, True)
+    ]
+
+    def tick(send: bool) -> Callable[..., Any]:
+        def body(state: dict[str, Any], rows: dict[str, jax.Array]) -> tuple[Any, None]:
+            row = {k: v[stage] for k, v in rows.items()}
+            state = dict(state, x_box=_store(state["x_box"], row["x_arrive"], state["recv"]))
+            state, out = jax.lax.switch(row["branch"], branches, state, row)
+            state["recv"] = jax.lax.ppermute(out, axis, pairs) if send else act
+            return state, None
+
+        return body
+
+    for start, stop, send in tab.segments():
+        rows = {k: jnp.asarray(v) for k, v in tab.rows(start, stop).items()}
+        state, _ = jax.lax.scan(tick(send), state, rows)
+    return jax.lax.psum(state["out"], axis)
+
+
 # ----------------------------------------------------------------------------- helpers
+
+
+def _check_no_permutes(fn: Callable[..., Any], *args: Any) -> None:
+    """ValueError (one sentence) if ``fn`` (a chunk, the embedding or the loss, with their
+    backward) runs a ``ppermute``: it would run inside a schedule branch (module docstring)."""
+    axes = sorted(_permute_axes(jax.make_jaxpr(fn)(*args).jaxpr))
+    if axes:
+        raise ValueError(
+            f"The pipeline's stage, embedding or loss function runs a ppermute over "
+            f"{', '.join(map(repr, axes))}, which cannot run inside a schedule branch that only "
+            "some stages take (XLA's collective-permute spans every stage); use collectives "
+            "whose groups lie within a stage (psum, all_gather, psum_scatter, all_to_all)."
+        )
+
+
+def _permute_axes(jaxpr: Any) -> set[str]:
+    """The axes of every ``ppermute`` in ``jaxpr`` and the jaxprs nested in its equations."""
+    out: set[str] = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "ppermute":
+            names = eqn.params["axis_name"]
+            out |= set(names if isinstance(names, tuple) else (names,))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out |= _permute_axes(inner)
+    return out
 
 
 def _add(acc: Any, grads: Any) -> Any:
@@ -459,4 +647,12 @@ def _param_mask(leaves: list[Any], params: Any) -> tuple[int, ...]:
     return tuple(param_ids.get(id(leaf), -1) for leaf in leaves)
 
 
-__all__ = ["Ends", "Tables", "pipeline_grads", "tables"]
+__all__ = [
+    "Ends",
+    "ForwardTables",
+    "Tables",
+    "forward_tables",
+    "pipeline_forward",
+    "pipeline_grads",
+    "tables",
+]
