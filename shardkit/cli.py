@@ -57,6 +57,17 @@ def _add_plan_opts(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--fsdp", action="store_true", help="split params over data (ZeRO-3)")
     g.add_argument("--remat", action="store_true", help="recompute blocks (re-gather under FSDP)")
+    g.add_argument(
+        "--pp",
+        choices=("none", "gpipe", "1f1b", "interleaved", "zb"),
+        help="pipeline schedule over the stage axis (needs stage > 1 in --mesh)",
+    )
+    g.add_argument(
+        "--microbatches", type=int, metavar="M", help="pipeline microbatches per data shard (1)"
+    )
+    g.add_argument(
+        "--virtual", type=int, metavar="V", help="layer chunks per stage (--pp interleaved; 1)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,14 +138,24 @@ def model_config(
 
 
 def _plan_given(args: argparse.Namespace) -> bool:
-    return any([args.mesh, args.sp, args.ulysses, args.fsdp, args.remat])
+    plan_flags = (args.mesh, args.sp, args.ulysses, args.fsdp, args.remat, args.pp)
+    return any([*plan_flags, args.microbatches is not None, args.virtual is not None])
 
 
 def plan_from_args(args: argparse.Namespace) -> Any:
     from shardkit.mesh import Plan, PlanError, format_mesh, parse_mesh
 
     mesh = parse_mesh(args.mesh or f"data={args.devices}")
-    plan = Plan(mesh, sp=args.sp or "none", ulysses=args.ulysses, fsdp=args.fsdp, remat=args.remat)
+    plan = Plan(
+        mesh,
+        sp=args.sp or "none",
+        ulysses=args.ulysses,
+        fsdp=args.fsdp,
+        remat=args.remat,
+        pp=args.pp or "none",
+        microbatches=1 if args.microbatches is None else args.microbatches,
+        virtual=1 if args.virtual is None else args.virtual,
+    )
     if plan.num_devices != args.devices:
         raise PlanError(
             f"Mesh {format_mesh(mesh)} uses {plan.num_devices} devices but --devices is "

@@ -32,6 +32,15 @@ Per strategy (each ``_*_terms`` function states its own formulas and why each is
   ring      2(n−1) K/V hops forward; 2(n−1) K/V + 2n dK/dV hops backward, per block.
   Ulysses   4 all-to-alls (q, k, v, out) forward and 4 backward per block.
   USP       Ulysses over seq_ulysses (u) around a ring over seq_ring (r = n_seq / u).
+Pipeline   (``plan.pp``; S stages, M microbatches, V chunks per stage, A_m = (b/M)·t·d·w one
+          microbatch activation): per tick of a segment that sends, ONE collective-permute over
+          stage of A_m per direction, so (ticks sending x + ticks sending dy)·A_m per device
+          (the schedule's tables count them: GPipe and 1F1B 2(M+S−2)·A_m... see
+          ``_pipeline_terms``); ONE all-reduce over stage of the embedding's and the head's
+          gradients and the loss; the layer terms above run on microbatches, M·l/S layer
+          executions of b/M examples per device (the same bytes as l/S layers of b), the W
+          pass of zb repeating the backward's; pooling on the last stage only. Terms are per
+          stage (``expected(..., stage=s)``).
 Clipping (``clip=True``): one scalar all-reduce over the whole mesh for the global norm.
 Compositions add: every term depends only on the axes it uses.
 Padding (T' > T) adds no collective: ring, Ulysses and USP mask the padded keys by position
@@ -61,7 +70,8 @@ import jax
 import vit_ref
 from shardkit.comm.ledger import Tally
 from shardkit.mesh import AXES, Plan
-from shardkit.models.vit import check_plan, ulysses_factor
+from shardkit.models.vit import check_plan, schedule, ulysses_factor
+from shardkit.parallel import pipeline
 from shardkit.parallel.sequence import SEQ_RING, SEQ_ULYSSES, USP_AXES
 
 Axes = tuple[str, ...]
@@ -297,7 +307,13 @@ def geometry(cfg: vit_ref.ViTConfig, plan: Plan, batch: int, platform: str = "cp
 
 
 def expected(
-    cfg: vit_ref.ViTConfig, plan: Plan, batch: int, *, platform: str = "cpu", clip: bool = False
+    cfg: vit_ref.ViTConfig,
+    plan: Plan,
+    batch: int,
+    *,
+    platform: str = "cpu",
+    clip: bool = False,
+    stage: int | None = None,
 ) -> Expectation:
     """The collectives one ``ShardedViT.train_step`` must run for (cfg, plan, global batch).
 
@@ -310,23 +326,98 @@ def expected(
       platform: "cpu" (tested; bf16 collectives are widened to float32 there) or another
         backend name (activation collectives then move compute-dtype bytes; op counts are the
         CPU pipeline's and may differ where another backend combines collectives differently).
+      stage: under a pipeline, the stage whose device the terms describe (default: the last,
+        which also pools); stages differ only there.
 
     Returns:
       An :class:`Expectation` whose ``summary()`` is what ``Ledger.summary()`` must equal.
     """
     g = geometry(cfg, plan, batch, platform)
+    if plan.pp == "none":
+        body = [*_layer_terms(g), *_pool_terms(g), *_fsdp_terms(g)]
+    else:
+        last = plan.size("stage") - 1
+        body = _pipeline_terms(g, last if stage is None else stage)
     terms = [
-        *_tp_terms(g),
-        *_megatron_sp_terms(g),
-        *_ring_terms(g),
-        *_ulysses_terms(g),
-        *_pool_terms(g),
-        *_fsdp_terms(g),
+        *body,
         *_gradient_terms(g),
         *_loss_terms(g),
         *(_grad_norm_terms(g) if clip else []),
     ]
     return Expectation(cfg, plan, batch, tuple(terms))
+
+
+def _layer_terms(g: Geometry) -> list[Term]:
+    """The collectives inside the blocks: TP, Megatron-SP, ring, Ulysses / USP."""
+    return [*_tp_terms(g), *_megatron_sp_terms(g), *_ring_terms(g), *_ulysses_terms(g)]
+
+
+def _pipeline_terms(g: Geometry, stage: int) -> list[Term]:
+    """A pipeline over ``stage`` (S stages, M microbatches, V chunks each), on one stage.
+
+    Activations: each tick of a segment where some stage sends runs ONE collective-permute
+    over stage of one microbatch activation A_m = (b/M)·t·d·w (x forward, +1), and likewise
+    for the cotangent dy (−1): every device joins (bubble stages send zeros), so
+      bytes = (ticks sending x + ticks sending dy) · A_m,
+    read from the schedule's tables: GPipe 2(M+S−2)·A_m; 1F1B, interleaved and zb more ticks
+    (their sends interleave with computing ticks; ``tables(...).sends_x``). Nothing smaller
+    can reach the next stage: it needs the whole activation of that microbatch.
+    Layers: each stage runs its l/S layers forward on M microbatches of b/M examples and
+    backward on each, so every per-layer term is that of M·l/S layers at batch b/M (the same
+    bytes as l/S layers at b); zb's W pass re-runs the backward's collectives (the weight
+    gradients need the cotangents inside the chunk, and each of them a collective), so its
+    backward and recompute terms appear twice — except on stage 0, whose B computes only the
+    first chunk's input gradient, which nothing but the embedding's weight gradient (in W)
+    reads: XLA removes that B whole.
+    Ends: the loss, the embedding's and the head's gradients are summed over stage once (ONE
+    all-reduce; only the first and the last stage add to them); the pooled features are
+    summed over the token axes on the last stage only, once per microbatch.
+    FSDP: each device gathers its layers and the outer leaves once per step, before the
+    schedule, and reduce-scatters their gradients once after it: one AG and one RS per bucket.
+    """
+    plan, micro = g.plan, g.plan.microbatches
+    stages = plan.size("stage")
+    depth = g.cfg.depth // stages * micro
+    gm = dataclasses.replace(
+        g, cfg=dataclasses.replace(g.cfg, depth=depth), batch=g.batch // micro
+    )
+    layers = _layer_terms(gm)
+    if plan.pp == "zb" and stage > 0:  # stage 0's B is dead: only W needs chunk 0's dx
+        layers += [
+            dataclasses.replace(t, phase="weights (W)")
+            for t in layers
+            if t.phase in ("backward", "recompute")
+        ]
+    tab = pipeline.tables(schedule(plan))
+    act = gm.b * g.t * g.cfg.dim * WORD
+    permute = functools.partial(_term, g, "collective-permute", ["stage"])
+    outer = [leaf for leaf in param_leaves(g) if not leaf.in_blocks]
+    n_data = plan.size("data")
+    ends = sum(leaf.local * (n_data if "data" in leaf.split else 1) for leaf in outer) + 1
+    pool = [
+        dataclasses.replace(t, count=t.count * micro, bytes_sent=t.bytes_sent * micro)
+        for t in _pool_terms(gm)
+    ]
+    return [
+        *layers,
+        *permute(int(tab.sends_x.sum()), act, "activation to the next stage", "forward"),
+        *permute(int(tab.sends_dy.sum()), act, "cotangent to the previous stage", "backward"),
+        *_term(
+            g, "all-reduce", ["stage"], 1, all_reduce_bytes(ends * WORD, stages),
+            "loss, embedding and head gradients from the first and last stage", STEP_END,
+        ),
+        *(pool if stage == stages - 1 else []),
+        *_pipeline_fsdp_terms(g),
+    ]  # fmt: skip
+
+
+def _pipeline_fsdp_terms(g: Geometry) -> list[Term]:
+    """FSDP under a pipeline: every FSDP-split leaf a device holds gathered once per step."""
+    leaves = [leaf for leaf in param_leaves(g) if "data" in leaf.split]
+    return [
+        *_fsdp_group(g, "all-gather", leaves, 1, "this stage's layers and the ends", "forward"),
+        *_fsdp_group(g, "reduce-scatter", leaves, 1, "their gradients", "backward"),
+    ]
 
 
 def _term(
@@ -525,6 +616,8 @@ def param_leaves(g: Geometry) -> list[Leaf]:
     rules = {"heads": "model", "mlp": "model"}
     if g.plan.fsdp:
         rules["embed"] = "data"
+    if g.plan.pp != "none":
+        rules["layers"] = "stage"
     shapes = jax.eval_shape(lambda: vit_ref.init(jax.random.key(0), g.cfg))
     names = jax.tree.leaves(vit_ref.param_axes(g.cfg), is_leaf=lambda x: isinstance(x, tuple))
     leaves = []

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,9 @@ from shardkit.comm import cost
 from shardkit.comm.ledger import KINDS, Ledger, Tally, measure
 from shardkit.mesh import Plan, format_mesh, make_mesh
 from shardkit.models.sharded import opt_state_layout
-from shardkit.models.vit import ShardedViT, check_plan, param_specs
+from shardkit.models.vit import ShardedViT, check_plan, param_specs, schedule
+from shardkit.parallel import pipeline
+from shardkit.parallel.schedules import Schedule
 from vit_ref.train import apply_optimizer
 
 Key = tuple[str, tuple[str, ...]]
@@ -76,6 +79,8 @@ class Report:
 
     ledger: Ledger
     expectation: cost.Expectation
+    # A pipeline's other stages, (stage, their report); this one is the last stage's.
+    others: tuple[tuple[int, Report], ...] = ()
 
     @property
     def rows(self) -> tuple[Row, ...]:
@@ -91,11 +96,14 @@ class Report:
 
     @property
     def measured_bytes_sent(self) -> float:
-        return self.ledger.total_bytes_sent()
+        """Bytes per step sent by this device (a pipeline: by the busiest stage's)."""
+        return max([self.ledger.total_bytes_sent()] + [r.measured_bytes_sent for _, r in self.others])
 
     @property
     def expected_bytes_sent(self) -> float:
-        return self.expectation.total_bytes_sent()
+        return max(
+            [self.expectation.total_bytes_sent()] + [r.expected_bytes_sent for _, r in self.others]
+        )
 
     @property
     def ratio(self) -> float:
@@ -108,7 +116,14 @@ class Report:
     def mismatches(self) -> list[str]:
         """One sentence per (kind, axes) that breaks the contract; [] when it holds."""
         e = self.expectation
-        return cost.compare(e.summary(), self.ledger.summary(), RTOL, exact=e.exact)
+        own = cost.compare(e.summary(), self.ledger.summary(), RTOL, exact=e.exact)
+        if not self.others:
+            return own
+        last = self.expectation.plan.size("stage") - 1
+        out = [f"stage {last}: {m}" for m in own]
+        for stage, report in self.others:
+            out += [f"stage {stage}: {m}" for m in report.mismatches]
+        return out
 
     @property
     def contract_ok(self) -> bool:
@@ -127,6 +142,9 @@ class Report:
             "sp": plan.sp,
             "fsdp": plan.fsdp,
             "remat": plan.remat,
+            "pp": plan.pp,
+            "microbatches": plan.microbatches,
+            "virtual": plan.virtual,
             "batch": self.expectation.batch,
             "collectives": [r.to_json() for r in self.rows],
             "measured_bytes_sent": self.measured_bytes_sent,
@@ -178,6 +196,8 @@ def _title(e: cost.Expectation) -> str:
     c, p = e.cfg, e.plan
     model = f"ViT dim={c.dim} depth={c.depth} heads={c.heads} mlp={c.mlp_dim} tokens={c.num_tokens}"
     plan = f"mesh {format_mesh(p.mesh)} sp={p.sp} fsdp={p.fsdp} remat={p.remat}"
+    if p.pp != "none":
+        plan += f" pp={p.pp} microbatches={p.microbatches} virtual={p.virtual} (the last stage)"
     return f"{model}, batch {e.batch}, {c.dtype}; {plan}"
 
 
@@ -256,8 +276,52 @@ def model_report(
     """The contract report of an existing ``ShardedViT`` (e.g. the one ``verify`` just ran, or
     the clipped step ``shardkit train`` runs)."""
     ledger = measure_step(model, batch, optimizer, clip_norm)
-    clip = clip_norm is not None
-    return Report(ledger, cost.expected(model.cfg, model.plan, batch, clip=clip))
+    return _report(ledger, model.cfg, model.plan, batch, clip=clip_norm is not None)
+
+
+def _report(
+    ledger: Ledger, cfg: vit_ref.ViTConfig, plan: Plan, batch: int, **kwargs: Any
+) -> Report:
+    """The report of a measured step; under a pipeline one per stage (the last one shown)."""
+    if plan.pp == "none":
+        return Report(ledger, cost.expected(cfg, plan, batch, **kwargs))
+    sched = schedule(plan)
+    reports = [
+        Report(stage_ledger(ledger, sched, s), cost.expected(cfg, plan, batch, stage=s, **kwargs))
+        for s in range(sched.stages)
+    ]
+    return dataclasses.replace(reports[-1], others=tuple(enumerate(reports[:-1])))
+
+
+_BRANCH = re.compile(r"pp_segment(\d+)/(?:.*/)?pp_branch(\d+)/")
+
+
+def stage_ledger(ledger: Ledger, sched: Schedule, stage: int) -> Ledger:
+    """``ledger`` as one stage's device runs it: a collective inside a schedule branch counts
+    the ticks this stage spends in that branch, not every tick of its segment (the ledger
+    counts every branch of a conditional as if it ran; ``pipeline.branch_runs``).
+
+    Raises:
+      ValueError: a branch collective's count is not a multiple of its segment's length (XLA
+        restructured the tick loop, so the per-stage count cannot be read).
+    """
+    runs = pipeline.branch_runs(sched)
+    out = []
+    for c in ledger.collectives:
+        match = _BRANCH.search(c.op_name)
+        if match:
+            k, b = int(match.group(1)), int(match.group(2))
+            length = int(runs[(k, -1)][stage])
+            if c.count % length:
+                raise ValueError(
+                    f"Collective {c.name} in pipeline segment {k} runs {c.count} times, not a "
+                    f"multiple of the segment's {length} ticks."
+                )
+            ran = int(runs[(k, b)][stage]) if (k, b) in runs else 0
+            c = dataclasses.replace(c, count=c.count // length * ran)
+        if c.count:
+            out.append(c)
+    return dataclasses.replace(ledger, collectives=tuple(out))
 
 
 def inspect(
@@ -281,11 +345,11 @@ def inspect(
       A :class:`Report`. Raises ``PlanError`` (one sentence) before compiling if the plan
       cannot run the model; the default device set must hold ``plan.num_devices`` devices.
     """
-    expectation = cost.expected(cfg, plan, batch, platform=platform)  # checks the plan first
+    cost.expected(cfg, plan, batch, platform=platform)  # checks the plan first
     ledger = measure_step(ShardedViT(cfg, plan), batch)
     if hlo_path is not None:
         pathlib.Path(hlo_path).write_text(ledger.hlo)
-    return Report(ledger, expectation)
+    return _report(ledger, cfg, plan, batch, platform=platform)
 
 
 # ----------------------------------------------------------------------------- XLA auto

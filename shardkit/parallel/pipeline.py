@@ -61,6 +61,10 @@ LossFn = Callable[[Any, jax.Array, Any], jax.Array]
 
 IDLE = 0
 KIND_INDEX = {"F": 0, "B": 1, "W": 2}
+# Named scopes of the segment scans and the branches: collectives inside a branch carry both in
+# their HLO op_name, so a ledger can count each by how often each stage runs it (``branch_runs``).
+SEGMENT_SCOPE = "pp_segment{}"
+BRANCH_SCOPE = "pp_branch{}"
 
 
 def branch_index(kind: str, first: bool, last: bool) -> int:
@@ -160,6 +164,28 @@ def tables(schedule: Schedule) -> Tables:
     )  # fmt: skip
 
 
+def branch_runs(schedule: Schedule) -> dict[tuple[int, int], np.ndarray]:
+    """(segment k, branch b) -> runs per stage [S]: how many ticks of segment k each stage
+    spends in branch b (``pipeline_grads``'s segments and ``branch_index``), and the segment
+    lengths under key (k, −1)."""
+    tab = tables(schedule)
+    out: dict[tuple[int, int], np.ndarray] = {}
+    for k, (start, stop, _, _) in enumerate(tab.segments()):
+        rows = tab.branch[start:stop]
+        out[(k, -1)] = np.full(schedule.stages, stop - start)
+        for b in np.unique(rows).tolist():
+            out[(k, b)] = (rows == b).sum(axis=0)
+    return out
+
+
+def _scoped(branch: Callable[..., Branch], index: int) -> Callable[..., Branch]:
+    def run(*args: Any) -> Branch:
+        with jax.named_scope(BRANCH_SCOPE.format(index)):
+            return branch(*args)
+
+    return run
+
+
 def _colour(intervals: dict[Any, tuple[int, int, int]]) -> dict[Any, int]:
     """Slot per key: per stage, closed [first, last] tick intervals sharing a slot never meet."""
     slots: dict[Any, int] = {}
@@ -257,8 +283,12 @@ def pipeline_grads(
     fill = np.nan if poison else 0.0
     act = _vary(jnp.full_like(x0, fill), _axes_of(x0))
     state = dict(
+        # Residuals vary over the stage at least (a branch reads its chunk by a stage-varying
+        # index, so even one traced invariant, a mask, comes out varying there).
         stash=[
-            _buffer(tab.stash_slots, a, fill) for a, k in zip(leaves, keep, strict=True) if k < 0
+            _buffer(tab.stash_slots, _vary(a, act_axes), fill)
+            for a, k in zip(leaves, keep, strict=True)
+            if k < 0
         ],
         x_box=_buffer(tab.x_slots, act, fill),
         dy_box=_buffer(tab.dy_slots, act, fill),
@@ -272,9 +302,10 @@ def pipeline_grads(
     stage = jax.lax.axis_index(axis)
     ctx = _Context(schedule, stage_fn, stage_params, ends, inputs, targets, axis, stage,
                    vjp_def, keep)  # fmt: skip
-    for start, stop, send_x, send_dy in tab.segments():
-        rows = {k: jnp.asarray(v) for k, v in tab.rows(start, stop).items()}
-        state, _ = jax.lax.scan(_tick_body(ctx, send_x, send_dy), state, rows)
+    for k, (start, stop, send_x, send_dy) in enumerate(tab.segments()):
+        rows = {name: jnp.asarray(v) for name, v in tab.rows(start, stop).items()}
+        with jax.named_scope(SEGMENT_SCOPE.format(k)):
+            state, _ = jax.lax.scan(_tick_body(ctx, send_x, send_dy), state, rows)
     loss, embed_grads, loss_grads = jax.lax.psum(
         (state["loss"], state["embed_grads"], state["loss_grads"]), axis
     )
@@ -330,6 +361,7 @@ def _tick_body(ctx: _Context, send_x: bool, send_dy: bool) -> Callable[..., Any]
         for first in (False, True)
         for last in (False, True)
     ]
+    branches = [_scoped(b, i) for i, b in enumerate(branches)]
 
     def body(state: dict[str, Any], rows: dict[str, jax.Array]) -> tuple[dict[str, Any], None]:
         row = {k: v[ctx.stage] for k, v in rows.items()}
@@ -654,5 +686,6 @@ __all__ = [
     "forward_tables",
     "pipeline_forward",
     "pipeline_grads",
+    "branch_runs",
     "tables",
 ]
