@@ -32,10 +32,11 @@ from hypothesis import strategies as st
 import vit_ref
 from shardkit.mesh import AXES, Plan
 from shardkit.parallel.data import optax_update
+from shardkit.parallel.schedules import SCHEDULES
 
 PyTree = Any
-# The axes drawn by default: every axis but the pipeline's ``stage``, which the sharded ViT does
-# not run yet (pipelines are tested with the engine's own meshes).
+# The axes drawn by default: every axis but the pipeline's ``stage`` (``pipeline_cases`` draws
+# it, with a schedule).
 DEFAULT_AXES = ("data", "seq", "model")
 DEFAULT_FLOOR = 1e-2
 
@@ -303,3 +304,42 @@ def sharded_cases(
     batch = mesh["data"] * draw(st.integers(1, 2))
     plan = Plan(mesh, sp=sp, ulysses=explicit_ulysses, fsdp=use_fsdp, remat=use_remat)
     return cfg, plan, batch
+
+
+@st.composite
+def pipeline_cases(
+    draw: st.DrawFn, max_devices: int = 8, schedules: Sequence[str] = SCHEDULES
+) -> tuple[vit_ref.ViTConfig, Plan, int]:
+    """(cfg, plan, batch) of a pipelined ViT: a schedule over stage = 2..max_devices, composed
+    with whatever data, seq and model the remaining devices allow, FSDP on or off.
+
+    M is drawn as the schedule allows: any 1..2S for GPipe and 1F1B (multiples of S or not),
+    a multiple of S for interleaved (V = 1 or 2), S..2S for zb. Tokens over seq run Ulysses
+    (a ring cannot run inside a schedule branch, ``parallel.pipeline``); with model > 1 the
+    mode may be Megatron-SP (a Ulysses core over seq). One layer per chunk: depth = S·V.
+    """
+    pp = draw(st.sampled_from(list(schedules)))
+    stages = draw(st.integers(2, max_devices))
+    mesh = {**draw(meshes(max_devices // stages)), "stage": stages}
+    seq, model = mesh["seq"], mesh["model"]
+    virtual = draw(st.integers(1, 2)) if pp == "interleaved" else 1
+    micro = {
+        "interleaved": stages * draw(st.integers(1, 2)),
+        "zb": draw(st.integers(stages, 2 * stages)),
+    }.get(pp) or draw(st.integers(1, 2 * stages))
+    sp = "ulysses" if seq > 1 else "none"
+    if model > 1 and draw(st.booleans()):
+        sp = "megatron"
+    use_fsdp = draw(st.booleans())
+    cfg = draw(vit_configs(model * seq, model, mesh["data"] if use_fsdp else 1))
+    cfg = dataclasses.replace(cfg, depth=stages * virtual)
+    plan = Plan(
+        mesh,
+        sp=sp,
+        ulysses=seq if sp == "megatron" and seq > 1 else None,
+        fsdp=use_fsdp,
+        pp=pp,
+        microbatches=micro,
+        virtual=virtual,
+    )
+    return cfg, plan, mesh["data"] * micro

@@ -98,6 +98,27 @@ def test_inspect_table(capsys):
         (["--sp", "bogus"], "invalid choice: 'bogus'"),
         (["--variant", "H/14"], "Unknown ViT variant 'H/14'"),
         (["--image", "30"], "image=30 is not divisible by ViTConfig.patch=4"),
+        (["--mesh", "data=4,stage=2"], "The mesh has stage=2 but no pipeline schedule"),
+        (["--mesh", "data=8", "--pp", "1f1b"], "--pp 1f1b needs a stage axis of size > 1"),
+        (
+            ["--mesh", "stage=8", "--pp", "gpipe", "--depth", "4"],
+            "depth=4 is not divisible by stage×virtual = 8×1",
+        ),
+        (
+            ["--mesh", "data=2,stage=4", "--pp", "1f1b", "--depth", "4", "--microbatches", "3"],
+            "The data-local batch (16//2=8) is not divisible by --microbatches 3",
+        ),
+        (
+            ["--mesh", "stage=8", "--pp", "zb", "--depth", "8", "--microbatches", "4"],
+            "at least as many microbatches as stages (M=4 < S=8)",
+        ),
+        (
+            ["--mesh", "stage=8", "--pp", "1f1b", "--depth", "8", "--virtual", "2"],
+            "--virtual 2 only applies to --pp interleaved, not --pp 1f1b",
+        ),
+        (["--mesh", "data=8", "--virtual", "2"], "--virtual 2 only applies with --pp interleaved"),
+        (["--mesh", "data=8", "--microbatches", "0"], "--microbatches must be a positive"),
+        (["--pp", "pipedream"], "invalid choice: 'pipedream'"),
     ],
 )
 def test_bad_input_is_one_line_on_stderr_and_exit_2(argv, message, capsys):

@@ -207,9 +207,25 @@ def test_ticks_send_one_activation_each_way():
     permutes = led.summary()[("collective-permute", ("stage",))]
     sends = int(tab.sends_x.sum() + tab.sends_dy.sum())
     segment_ticks = sum((stop - start) * (sx + sd) for start, stop, sx, sd in tab.segments())
-    assert permutes.count == segment_ticks
+    assert permutes.count == segment_ticks == sum(tab.sent())
     assert permutes.bytes_sent == segment_ticks * B * T * D * 4
     assert sends <= segment_ticks
+
+
+@pytest.mark.parametrize("name", sc.SCHEDULES)
+def test_segments_stay_few_whatever_m(name):
+    """The steady state is one segment (S = 2: 1F1B alternates F and B every tick), so the
+    program does not grow with M; segments tile the ticks and cover every tick that sends."""
+    for micro in (2, 8, 16):
+        schedule = sc.build(name, 2, micro, 2 if name == "interleaved" else 1)
+        tab = pl.tables(schedule)
+        segments = tab.segments()
+        assert len(segments) <= 5, (micro, segments)
+        assert [s[0] for s in segments[1:]] == [s[1] for s in segments[:-1]]
+        assert segments[0][0] == 0 and segments[-1][1] == schedule.ticks
+        for start, stop, sx, sd in segments:
+            assert sx or not tab.sends_x[start:stop].any()
+            assert sd or not tab.sends_dy[start:stop].any()
 
 
 @pytest.mark.parametrize(

@@ -307,7 +307,41 @@ PLAN_ERRORS = [
     ({}, Plan({"model": 3}), "mlp_dim=10 is not divisible by model=3"),
     ({}, Plan({"data": 8}, fsdp=True), "dim=12 is not divisible by data=8"),
     ({}, Plan({"seq": 2}), "sp='none' does not split tokens over seq, but the mesh has seq=2"),
-    ({}, Plan({"stage": 2}), "The mesh has stage=2, but the sharded ViT does not run a pipeline"),
+    ({}, Plan({"stage": 2}), "The mesh has stage=2 but no pipeline schedule; give --pp"),
+    ({}, Plan({"data": 2}, microbatches=2), "--microbatches 2 only applies with a pipeline"),
+    ({}, Plan({"data": 2}, virtual=2), "--virtual 2 only applies with --pp interleaved"),
+    ({}, Plan({"data": 2}, pp="1f1b"), r"--pp 1f1b needs a stage axis of size > 1 in --mesh"),
+    ({}, Plan({"stage": 4}, pp="1f1b"), "depth=2 is not divisible by stage×virtual = 4×1"),
+    (
+        {},
+        Plan({"stage": 2}, pp="interleaved", virtual=2, microbatches=2),
+        "depth=2 is not divisible by stage×virtual = 2×2",
+    ),
+    (
+        {},
+        Plan({"stage": 2}, pp="gpipe", virtual=2),
+        "--virtual 2 only applies to --pp interleaved, not --pp gpipe",
+    ),
+    (
+        dict(batch=6),
+        Plan({"data": 2, "stage": 2}, pp="gpipe", microbatches=2),
+        r"The data-local batch \(6//2=3\) is not divisible by --microbatches 2",
+    ),
+    (
+        {},
+        Plan({"stage": 2}, pp="zb", microbatches=1),
+        r"at least as many microbatches as stages \(M=1 < S=2\)",
+    ),
+    (
+        {},
+        Plan({"stage": 2}, pp="interleaved", microbatches=3),
+        r"the microbatches \(M=3\) divisible by the stages \(S=2\)",
+    ),
+    (
+        {},
+        Plan({"stage": 2, "seq": 2}, sp="ring", pp="1f1b", microbatches=2),
+        r"--pp 1f1b cannot run a ring over seq \(--sp ring\)",
+    ),
     (
         {},
         Plan({"data": 2}, sp="megatron"),
@@ -393,6 +427,9 @@ def test_check_plan_names_dimension_axis_and_sizes(kwargs: dict, plan: Plan, mat
         (lambda: parse_mesh("data=0"), "Mesh entry 'data=0' is not of the form"),
         (lambda: Plan({"data": 0}), "Mesh axis data must have a positive integer size, got 0"),
         (lambda: Plan(sp="zigzag"), "Unknown sp mode 'zigzag'; choose one of none, megatron"),
+        (lambda: Plan(pp="dualpipe"), "Unknown pipeline schedule 'dualpipe'; choose one of none"),
+        (lambda: Plan(microbatches=0), "--microbatches must be a positive integer, got 0"),
+        (lambda: Plan(virtual=-1), "--virtual must be a positive integer, got -1"),
     ],
 )
 def test_mesh_and_plan_errors(make: Any, match: str) -> None:

@@ -388,7 +388,7 @@ def _pipeline_terms(g: Geometry, stage: int) -> list[Term]:
             for t in layers
             if t.phase in ("backward", "recompute")
         ]
-    tab = pipeline.tables(schedule(plan))
+    sent_x, sent_dy = pipeline.tables(schedule(plan)).sent()
     act = gm.b * g.t * g.cfg.dim * WORD
     permute = functools.partial(_term, g, "collective-permute", ["stage"])
     outer = [leaf for leaf in param_leaves(g) if not leaf.in_blocks]
@@ -400,8 +400,8 @@ def _pipeline_terms(g: Geometry, stage: int) -> list[Term]:
     ]
     return [
         *layers,
-        *permute(int(tab.sends_x.sum()), act, "activation to the next stage", "forward"),
-        *permute(int(tab.sends_dy.sum()), act, "cotangent to the previous stage", "backward"),
+        *permute(sent_x, act, "activation to the next stage", "forward"),
+        *permute(sent_dy, act, "cotangent to the previous stage", "backward"),
         *_term(
             g, "all-reduce", ["stage"], 1, all_reduce_bytes(ends * WORD, stages),
             "loss, embedding and head gradients from the first and last stage", STEP_END,

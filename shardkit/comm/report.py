@@ -97,13 +97,13 @@ class Report:
     @property
     def measured_bytes_sent(self) -> float:
         """Bytes per step sent by this device (a pipeline: by the busiest stage's)."""
-        return max([self.ledger.total_bytes_sent()] + [r.measured_bytes_sent for _, r in self.others])
+        others = [r.measured_bytes_sent for _, r in self.others]
+        return max([self.ledger.total_bytes_sent(), *others])
 
     @property
     def expected_bytes_sent(self) -> float:
-        return max(
-            [self.expectation.total_bytes_sent()] + [r.expected_bytes_sent for _, r in self.others]
-        )
+        others = [r.expected_bytes_sent for _, r in self.others]
+        return max([self.expectation.total_bytes_sent(), *others])
 
     @property
     def ratio(self) -> float:

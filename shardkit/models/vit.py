@@ -523,13 +523,12 @@ class ShardedViT(sharded.ShardedModel):
 
     # ------------------------------------------------------------------------- pipeline
 
-    def loss_and_grads_local(
-        self, params: Params, images: Array, labels: Array
-    ) -> tuple[Array, Params]:
-        """Inside shard_map: (global loss, synced gradients sharded like params)."""
+    def loss_and_grads_local(self, params: Params, *batch: Array) -> tuple[Array, Params]:
+        """Inside shard_map: (global loss, synced gradients sharded like params); batch is
+        (images, labels)."""
         if not self.pipelined:
-            return super().loss_and_grads_local(params, images, labels)
-        return self._pipeline_grads_local(params, images, labels)
+            return super().loss_and_grads_local(params, *batch)
+        return self._pipeline_grads_local(params, *batch)
 
     def _pipeline_grads_local(
         self, params: Params, images: Array, labels: Array

@@ -104,14 +104,39 @@ class Tables:
         return {name: getattr(self, name)[start:stop] for name in names}
 
     def segments(self) -> list[tuple[int, int, bool, bool]]:
-        """Runs (start, stop, sends_x, sends_dy) of ticks with the same send pattern."""
-        out: list[tuple[int, int, bool, bool]] = []
-        for tick, key in enumerate(zip(self.sends_x.tolist(), self.sends_dy.tolist(), strict=True)):
-            if out and (out[-1][2], out[-1][3]) == key:
-                out[-1] = (out[-1][0], tick + 1, *key)
-            else:
-                out.append((tick, tick + 1, *key))
-        return out
+        """Runs (start, stop, sends_x, sends_dy) of ticks, each scanned with one send pattern.
+
+        Between the first cotangent send and the last activation send (1F1B's steady state)
+        one segment sends both ways every tick; elsewhere each run of ticks with the same
+        pattern is its own segment. So a schedule has at most a few segments whatever M is
+        (with S = 2, 1F1B's steady state alternates F and B every tick: one segment per tick
+        would make the program, and its compile time, grow with M).
+        """
+        x, dy = self.sends_x.tolist(), self.sends_dy.tolist()
+        ticks = len(x)
+        start = dy.index(True) if True in dy else ticks
+        stop = ticks - x[::-1].index(True) if True in x else 0
+        if start >= stop:
+            return _runs(x, dy, 0, ticks)
+        return [*_runs(x, dy, 0, start), (start, stop, True, True), *_runs(x, dy, stop, ticks)]
+
+    def sent(self) -> tuple[int, int]:
+        """(ticks that send activations, ticks that send cotangents) as the engine runs them:
+        one ``ppermute`` of one microbatch activation each."""
+        segs = self.segments()
+        return sum(b - a for a, b, sx, _ in segs if sx), sum(b - a for a, b, _, sd in segs if sd)
+
+
+def _runs(x: list[bool], dy: list[bool], start: int, stop: int) -> list[tuple[int, int, bool, bool]]:
+    """Maximal runs of ticks in [start, stop) with the same (x, dy) send pattern."""
+    out: list[tuple[int, int, bool, bool]] = []
+    for tick in range(start, stop):
+        key = (x[tick], dy[tick])
+        if out and (out[-1][2], out[-1][3]) == key:
+            out[-1] = (out[-1][0], tick + 1, *key)
+        else:
+            out.append((tick, tick + 1, *key))
+    return out
 
 
 def tables(schedule: Schedule) -> Tables:
@@ -303,9 +328,13 @@ def pipeline_grads(
     ctx = _Context(schedule, stage_fn, stage_params, ends, inputs, targets, axis, stage,
                    vjp_def, keep)  # fmt: skip
     for k, (start, stop, send_x, send_dy) in enumerate(tab.segments()):
-        rows = {name: jnp.asarray(v) for name, v in tab.rows(start, stop).items()}
+        rows = tab.rows(start, stop)
+        # Only the branches this segment runs are compiled into its switch (row → position).
+        used = sorted({IDLE, *np.unique(rows["branch"]).tolist()})
+        rows["branch"] = np.searchsorted(used, rows["branch"]).astype(np.int32)
+        body = _tick_body(ctx, send_x, send_dy, used)
         with jax.named_scope(SEGMENT_SCOPE.format(k)):
-            state, _ = jax.lax.scan(_tick_body(ctx, send_x, send_dy), state, rows)
+            state, _ = jax.lax.scan(body, state, {n: jnp.asarray(v) for n, v in rows.items()})
     loss, embed_grads, loss_grads = jax.lax.psum(
         (state["loss"], state["embed_grads"], state["loss_grads"]), axis
     )
@@ -350,7 +379,11 @@ class _Context:
     keep: tuple[int, ...]  # per vjp leaf: chunk param index, or −1 (stashed)
 
 
-def _tick_body(ctx: _Context, send_x: bool, send_dy: bool) -> Callable[..., Any]:
+def _tick_body(
+    ctx: _Context, send_x: bool, send_dy: bool, used: list[int]
+) -> Callable[..., Any]:
+    """One tick: store what arrived, run the branch (among ``used``, by ``branch_index``),
+    send."""
     S, V = ctx.schedule.stages, ctx.schedule.virtual
     circular = V > 1
     forward_pairs = [(s, (s + 1) % S) for s in range(S if circular else S - 1)]
@@ -361,7 +394,7 @@ def _tick_body(ctx: _Context, send_x: bool, send_dy: bool) -> Callable[..., Any]
         for first in (False, True)
         for last in (False, True)
     ]
-    branches = [_scoped(b, i) for i, b in enumerate(branches)]
+    branches = [_scoped(branches[i], i) for i in used]
 
     def body(state: dict[str, Any], rows: dict[str, jax.Array]) -> tuple[dict[str, Any], None]:
         row = {k: v[ctx.stage] for k, v in rows.items()}
@@ -683,9 +716,9 @@ __all__ = [
     "Ends",
     "ForwardTables",
     "Tables",
+    "branch_runs",
     "forward_tables",
     "pipeline_forward",
     "pipeline_grads",
-    "branch_runs",
     "tables",
 ]
