@@ -46,7 +46,9 @@ def _add_model_opts(p: argparse.ArgumentParser, batch: int, about: str) -> None:
 
 def _add_plan_opts(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("plan (verify: none given runs the default matrix)")
-    g.add_argument("--devices", type=int, default=8, help="CPU devices (default 8)")
+    g.add_argument(
+        "--devices", type=int, help="CPU devices (default: the --mesh's size, else 8)"
+    )
     g.add_argument("--mesh", help="e.g. data=2,seq=2,model=2 (omitted axes are 1)")
     g.add_argument("--sp", choices=("none", "megatron", "ring", "ulysses", "usp"))
     g.add_argument(
@@ -162,6 +164,15 @@ def plan_from_args(args: argparse.Namespace) -> Any:
             f"{args.devices}."
         )
     return plan
+
+
+def _mesh_devices(spec: str | None) -> int:
+    """The devices a ``--mesh`` uses (8 without one): ``--devices``' default."""
+    import math
+
+    from shardkit.mesh import parse_mesh
+
+    return math.prod(parse_mesh(spec).values()) if spec else 8
 
 
 def _setup_devices(n: int) -> None:
@@ -348,6 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = list(sys.argv[1:] if argv is None else argv)
         args = build_parser().parse_args(argv)
         args.argv = argv
+        if args.devices is None:
+            args.devices = _mesh_devices(args.mesh)
         return commands[args.command](args)
     except (UsageError, ValueError) as err:  # PlanError, DataError, config errors: ValueErrors
         print(f"shardkit: error: {err}", file=sys.stderr)

@@ -81,7 +81,7 @@ def test_inspect_table(capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--mesh", "data=3"], "uses 3 devices but --devices is 8"),
+        (["--mesh", "data=3", "--devices", "8"], "uses 3 devices but --devices is 8"),
         (
             ["--mesh", "data=2,model=4", "--heads", "6", "--dim", "48"],
             "heads=6 is not divisible by model=4",

@@ -127,9 +127,12 @@ class Tables:
         return sum(b - a for a, b, sx, _ in segs if sx), sum(b - a for a, b, _, sd in segs if sd)
 
 
-def _runs(x: list[bool], dy: list[bool], start: int, stop: int) -> list[tuple[int, int, bool, bool]]:
+Segment = tuple[int, int, bool, bool]
+
+
+def _runs(x: list[bool], dy: list[bool], start: int, stop: int) -> list[Segment]:
     """Maximal runs of ticks in [start, stop) with the same (x, dy) send pattern."""
-    out: list[tuple[int, int, bool, bool]] = []
+    out: list[Segment] = []
     for tick in range(start, stop):
         key = (x[tick], dy[tick])
         if out and (out[-1][2], out[-1][3]) == key:

@@ -169,13 +169,21 @@ def run_case(cfg: vit_ref.ViTConfig, case: Case, batch: int, seed: int = 0) -> C
     )
 
 
-_COLUMNS = "{:<20} {:<22} {:<9} {:<5} {:>8} {:>8} {:>8} {:>6} {:>10} {:>10}  {}"
+_COLUMNS = "{:<20} {:<28} {:<9} {:<5} {:<17} {:>8} {:>8} {:>8} {:>6} {:>10} {:>10}  {}"
 
 
 def format_header() -> str:
     return _COLUMNS.format(
-        "case", "mesh", "sp", "fsdp", "logits", "grads", "step", "tol", "sent MB", "model MB", "ok"
-    )
+        "case", "mesh", "sp", "fsdp", "pp", "logits", "grads", "step", "tol", "sent MB",
+        "model MB", "ok",
+    )  # fmt: skip
+
+
+def _pp(plan: Plan) -> str:
+    """``1f1b M=4`` (``V=2`` too for interleaved), or ``-`` without a pipeline."""
+    if plan.pp == "none":
+        return "-"
+    return f"{plan.pp} M={plan.microbatches}" + (f" V={plan.virtual}" if plan.virtual > 1 else "")
 
 
 def format_row(r: CaseResult) -> str:
@@ -185,6 +193,7 @@ def format_row(r: CaseResult) -> str:
         format_mesh(r.plan.mesh),
         r.plan.sp,
         "yes" if r.plan.fsdp else "no",
+        _pp(r.plan),
         f"{e['logits']:.1e}",
         f"{e['grads']:.1e}",
         f"{e['step']:.1e}",
