@@ -33,14 +33,12 @@ Per strategy (each ``_*_terms`` function states its own formulas and why each is
   Ulysses   4 all-to-alls (q, k, v, out) forward and 4 backward per block.
   USP       Ulysses over seq_ulysses (u) around a ring over seq_ring (r = n_seq / u).
 Pipeline   (``plan.pp``; S stages, M microbatches, V chunks per stage, A_m = (b/M)·t·d·w one
-          microbatch activation): per tick of a segment that sends, ONE collective-permute over
-          stage of A_m per direction, so (ticks sending x + ticks sending dy)·A_m per device
-          (the schedule's tables count them: GPipe and 1F1B 2(M+S−2)·A_m... see
-          ``_pipeline_terms``); ONE all-reduce over stage of the embedding's and the head's
-          gradients and the loss; the layer terms above run on microbatches, M·l/S layer
-          executions of b/M examples per device (the same bytes as l/S layers of b), the W
-          pass of zb repeating the backward's; pooling on the last stage only. Terms are per
-          stage (``expected(..., stage=s)``).
+          microbatch activation): one collective-permute over stage of A_m per direction per
+          tick the engine sends in (``pipeline.Tables.sent``; GPipe 2(M+S−2)·A_m); ONE
+          all-reduce over stage of the embedding's and the head's gradients and the loss; the
+          layer terms above for M·l/S layers of b/M examples (the same bytes as l/S layers of
+          b), zb's W repeating the backward's; pooling on the last stage only. Terms are per
+          stage (``expected(..., stage=s)``; ``_pipeline_terms`` says why each is needed).
 Clipping (``clip=True``): one scalar all-reduce over the whole mesh for the global norm.
 Compositions add: every term depends only on the axes it uses.
 Padding (T' > T) adds no collective: ring, Ulysses and USP mask the padded keys by position
@@ -359,9 +357,10 @@ def _pipeline_terms(g: Geometry, stage: int) -> list[Term]:
     over stage of one microbatch activation A_m = (b/M)·t·d·w (x forward, +1), and likewise
     for the cotangent dy (−1): every device joins (bubble stages send zeros), so
       bytes = (ticks sending x + ticks sending dy) · A_m,
-    read from the schedule's tables: GPipe 2(M+S−2)·A_m; 1F1B, interleaved and zb more ticks
-    (their sends interleave with computing ticks; ``tables(...).sends_x``). Nothing smaller
-    can reach the next stage: it needs the whole activation of that microbatch.
+    read from the schedule's tables (``Tables.sent``): GPipe 2(M+S−2)·A_m, the minimum; the
+    others a few zero sends more, since their steady state is one segment sending both ways.
+    Nothing smaller can reach the next stage: it needs the whole activation of that
+    microbatch.
     Layers: each stage runs its l/S layers forward on M microbatches of b/M examples and
     backward on each, so every per-layer term is that of M·l/S layers at batch b/M (the same
     bytes as l/S layers at b); zb's W pass re-runs the backward's collectives (the weight
