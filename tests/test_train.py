@@ -31,6 +31,9 @@ PARITY_PLANS = {
     "DP×TP": Plan({"data": 4, "model": 2}),
     "ring×TP×FSDP": Plan({"data": 2, "seq": 2, "model": 2}, sp="ring", fsdp=True),
     "Ulysses": Plan({"data": 2, "seq": 4}, sp="ulysses"),
+    "1F1B×TP×FSDP": Plan(
+        {"data": 2, "stage": 2, "model": 2}, fsdp=True, pp="1f1b", microbatches=2
+    ),
 }
 # warmup 2 then cosine decay over 6 steps; clip 0.5 is below every step's norm here, so the
 # clipping branch runs on every step.
@@ -233,10 +236,11 @@ CONTRACT_PLANS = [
     Plan({"data": 2, "seq": 2, "model": 2}, sp="ring", fsdp=True),
     Plan({"data": 2, "model": 4}, sp="megatron"),
     Plan({"data": 2, "seq": 4}, sp="usp", ulysses=2),
+    Plan({"data": 2, "stage": 2, "model": 2}, pp="zb", microbatches=2),
 ]
 
 
-@pytest.mark.parametrize("plan", CONTRACT_PLANS, ids=lambda p: f"{p.mesh}-{p.sp}-{p.fsdp}")
+@pytest.mark.parametrize("plan", CONTRACT_PLANS, ids=lambda p: f"{p.mesh}-{p.sp}-{p.fsdp}-{p.pp}")
 def test_clipped_train_step_meets_its_contract(plan) -> None:
     """The step ``shardkit train`` runs: the unclipped contract plus exactly one scalar
     all-reduce over the whole mesh for the global norm (nothing else sneaks in)."""
