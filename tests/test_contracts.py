@@ -24,8 +24,8 @@ import shardkit.tensor
 import shardkit.vit
 import vit_ref
 from shardkit import cost, report
-from shardkit.ledger import measure
-from shardkit.mesh import Plan
+from shardkit.ledger import Ledger, measure, parse_hlo
+from shardkit.mesh import Plan, make_mesh
 from shardkit.verify import default_matrix
 from shardkit.vit import ShardedViT
 from vit_ref.train import apply_optimizer
@@ -92,6 +92,24 @@ def test_every_matrix_strategy_meets_its_contract(name):
 @pytest.mark.parametrize("name", list(COMPOSITIONS))
 def test_compositions_meet_their_contracts(name):
     assert_contract(case_report(name))
+
+
+def test_a_pipeline_is_held_to_its_contract_stage_by_stage():
+    """Each stage's ledger counts a branch collective by the ticks that stage runs the branch:
+    the raw ledger (every branch counted as if it ran every tick) breaks the contract, and
+    where stages differ (zb: stage 0's B is dead code; the last stage pools over seq), the last
+    stage's counts fail stage 0's contract."""
+    rep = case_report("PP 1F1B×DP×TP")
+    assert [stage for stage, _ in rep.others] == [0] and rep.contract_ok, rep.mismatches
+    mesh = make_mesh(rep.expectation.plan.mesh)
+    raw = Ledger(tuple(parse_hlo(rep.ledger.hlo, mesh)), rep.ledger.hlo)
+    raw_report = dataclasses.replace(rep, ledger=raw, others=())
+    assert any("all-reduce over model" in m for m in raw_report.mismatches), raw_report.format()
+    zb = case_report("PP ZB×Ulysses")
+    assert zb.contract_ok, zb.mismatches
+    stage0 = dataclasses.replace(zb.others[0][1], ledger=zb.ledger)  # the last stage's counts
+    swapped = dataclasses.replace(zb, others=((0, stage0),))
+    assert any(m.startswith("stage 0: ") for m in swapped.mismatches), swapped.mismatches
 
 
 def test_the_anchor_reaches_designs_minimum():
