@@ -36,9 +36,12 @@ entries (``tables``: slots assigned statically by interval colouring), so 1F1B's
 slots whatever M is, while GPipe's has M. The SPMD program is the same on every device, so
 every device allocates the busiest stage's slots. Idle ticks compute nothing (``lax.switch``
 to an identity branch); buffers start at zeros and no unwritten slot is ever read (the
-``poison`` test). Sends happen only in the runs of ticks where some stage sends (the scan is
-split into such segments): there, per tick, one ``ppermute`` of one microbatch activation in
-each direction used.
+``poison`` test). The scan is split into segments by send pattern (``Tables.segments``: the
+steady state, from the first cotangent send to the last activation send, is one segment that
+sends both ways), and each tick of a segment runs one ``ppermute`` of one microbatch activation
+in each direction it uses; a segment compiles only the branches it runs. Collectives inside a
+branch carry the segment's and the branch's named scopes, so a ledger can count them per stage
+(``branch_runs``).
 """
 
 from __future__ import annotations
