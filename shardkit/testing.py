@@ -323,10 +323,12 @@ def pipeline_cases(
     mesh = {**draw(meshes(max_devices // stages)), "stage": stages}
     seq, model = mesh["seq"], mesh["model"]
     virtual = draw(st.integers(1, 2)) if pp == "interleaved" else 1
-    micro = {
-        "interleaved": stages * draw(st.integers(1, 2)),
-        "zb": draw(st.integers(stages, 2 * stages)),
-    }.get(pp) or draw(st.integers(1, 2 * stages))
+    if pp == "interleaved":
+        micro = stages * draw(st.integers(1, 2))
+    elif pp == "zb":
+        micro = draw(st.integers(stages, 2 * stages))
+    else:
+        micro = draw(st.integers(1, 2 * stages))
     sp = "ulysses" if seq > 1 else "none"
     if model > 1 and draw(st.booleans()):
         sp = "megatron"

@@ -293,7 +293,13 @@ def _report(
     return dataclasses.replace(reports[-1], others=tuple(enumerate(reports[:-1])))
 
 
-_BRANCH = re.compile(r"pp_segment(\d+)/(?:.*/)?pp_branch(\d+)/")
+# A collective inside a branch: its op_name holds the engine's segment scope, then its branch's.
+_BRANCH = re.compile(
+    pipeline.SEGMENT_SCOPE.format(r"(\d+)")
+    + "/(?:.*/)?"
+    + pipeline.BRANCH_SCOPE.format(r"(\d+)")
+    + "/"
+)
 
 
 def stage_ledger(ledger: Ledger, sched: Schedule, stage: int) -> Ledger:

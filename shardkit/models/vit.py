@@ -355,8 +355,9 @@ def _encoder_local(
 ) -> Array:
     """lax.scan over the stacked layers; FSDP gathers each layer's weights inside the body
     (``gather=False``: the blocks are whole already, as a pipeline chunk's are)."""
-    dims = sharded.gather_dims(param_specs(cfg, plan)["blocks"], "data", drop_leading=1)
-    if not gather:
+    if gather:
+        dims = sharded.gather_dims(param_specs(cfg, plan)["blocks"], "data", drop_leading=1)
+    else:
         dims = jax.tree.map(lambda _: None, blocks)
     key_valid = None  # sequence-parallel attention masks padding by position (num_valid)
     if lay.megatron and lay.attention == "local" and lay.padded:  # attends over all tokens

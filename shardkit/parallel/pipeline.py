@@ -390,9 +390,7 @@ def _tick_body(
 ) -> Callable[..., Any]:
     """One tick: store what arrived, run the branch (among ``used``, by ``branch_index``),
     send."""
-    S, V = ctx.schedule.stages, ctx.schedule.virtual
-    circular = V > 1
-    forward_pairs = [(s, (s + 1) % S) for s in range(S if circular else S - 1)]
+    forward_pairs = _forward_pairs(ctx.schedule)
     backward_pairs = [(d, s) for s, d in forward_pairs]
     branches = [_idle] + [
         functools.partial(fn, first=first, last=last)
@@ -527,13 +525,8 @@ class ForwardTables:
 
     def segments(self) -> list[tuple[int, int, bool]]:
         """Runs (start, stop, sends) of ticks with the same send pattern."""
-        out: list[tuple[int, int, bool]] = []
-        for tick, key in enumerate(self.sends.tolist()):
-            if out and out[-1][2] == key:
-                out[-1] = (out[-1][0], tick + 1, key)
-            else:
-                out.append((tick, tick + 1, key))
-        return out
+        sends = self.sends.tolist()
+        return [(a, b, x) for a, b, x, _ in _runs(sends, [False] * len(sends), 0, len(sends))]
 
 
 def forward_tables(schedule: Schedule) -> ForwardTables:
@@ -605,8 +598,7 @@ def pipeline_forward(
         recv=act,
     )
     stage = jax.lax.axis_index(axis)
-    S, V = schedule.stages, schedule.virtual
-    pairs = [(s, (s + 1) % S) for s in range(S if V > 1 else S - 1)]
+    pairs = _forward_pairs(schedule)
 
     def forward(first: bool, last: bool, state: dict[str, Any], row: Row) -> tuple[Any, Any]:
         state = dict(state)
@@ -643,6 +635,12 @@ def pipeline_forward(
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _forward_pairs(schedule: Schedule) -> list[tuple[int, int]]:
+    """ppermute pairs stage s -> s+1 (wrapping round when chunks are interleaved, V > 1)."""
+    S = schedule.stages
+    return [(s, (s + 1) % S) for s in range(S if schedule.virtual > 1 else S - 1)]
 
 
 def _check_no_permutes(fn: Callable[..., Any], *args: Any) -> None:
