@@ -46,9 +46,7 @@ def _add_model_opts(p: argparse.ArgumentParser, batch: int, about: str) -> None:
 
 def _add_plan_opts(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("plan (verify: none given runs the default matrix)")
-    g.add_argument(
-        "--devices", type=int, help="CPU devices (default: the --mesh's size, else 8)"
-    )
+    g.add_argument("--devices", type=int, help="CPU devices (default: the --mesh's size, else 8)")
     g.add_argument("--mesh", help="e.g. data=2,seq=2,model=2 (omitted axes are 1)")
     g.add_argument("--sp", choices=("none", "megatron", "ring", "ulysses", "usp"))
     g.add_argument(
@@ -57,7 +55,13 @@ def _add_plan_opts(p: argparse.ArgumentParser) -> None:
         help="Ulysses factor of the seq axis for --sp usp, or for --sp megatron on a seq axis "
         "(default there: a ring over seq)",
     )
-    g.add_argument("--fsdp", action="store_true", help="split params over data (ZeRO-3)")
+    g.add_argument("--fsdp", action="store_true", help="split params over data (= --zero 3)")
+    g.add_argument(
+        "--zero",
+        type=int,
+        choices=(0, 1, 2, 3),
+        help="ZeRO level over data: 1 optimizer state split, 2 also gradients, 3 also params",
+    )
     g.add_argument("--remat", action="store_true", help="recompute blocks (re-gather under FSDP)")
     g.add_argument(
         "--pp",
@@ -140,7 +144,7 @@ def model_config(
 
 
 def _plan_given(args: argparse.Namespace) -> bool:
-    plan_flags = (args.mesh, args.sp, args.ulysses, args.fsdp, args.remat, args.pp)
+    plan_flags = (args.mesh, args.sp, args.ulysses, args.fsdp, args.zero, args.remat, args.pp)
     return any([*plan_flags, args.microbatches is not None, args.virtual is not None])
 
 
@@ -153,6 +157,7 @@ def plan_from_args(args: argparse.Namespace) -> Any:
         sp=args.sp or "none",
         ulysses=args.ulysses,
         fsdp=args.fsdp,
+        zero=args.zero or 0,
         remat=args.remat,
         pp=args.pp or "none",
         microbatches=1 if args.microbatches is None else args.microbatches,
@@ -164,6 +169,15 @@ def plan_from_args(args: argparse.Namespace) -> Any:
             f"{args.devices}."
         )
     return plan
+
+
+def _zero_notes(cfg: Any, plan: Any) -> None:
+    """One stderr line naming the leaves ZeRO-1/2 keep whole (not an error: the right call)."""
+    from shardkit.models.vit import zero_replicated
+
+    note = zero_replicated(cfg, plan)
+    if note:
+        print(f"shardkit: note: {note}", file=sys.stderr)
 
 
 def _mesh_devices(spec: str | None) -> int:
@@ -194,6 +208,8 @@ def run_verify(args: argparse.Namespace) -> int:
         cases = verify.default_matrix(args.devices)
     for case in cases:  # every plan is checked before anything compiles
         verify.check_plan(cfg, case.plan, args.batch)
+    if _plan_given(args):
+        _zero_notes(cfg, cases[0].plan)
     if not args.json:
         print(verify.format_header(), flush=True)
     results = []
@@ -219,7 +235,10 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib: pip install 'shardkit[plot]'.")
     cfg = model_config(args)
-    result = report.inspect(cfg, plan_from_args(args), args.batch, hlo_path=args.hlo)
+    plan = plan_from_args(args)
+    report.check_plan(cfg, plan, args.batch)
+    _zero_notes(cfg, plan)
+    result = report.inspect(cfg, plan, args.batch, hlo_path=args.hlo)
     if args.plot:
         from shardkit.comm.plot import plot_report
 
@@ -277,6 +296,7 @@ def _train_setup(args: argparse.Namespace) -> tuple[Any, ...]:
     cfg = train_config(args, ds)
     plan = plan_from_args(args)
     check_plan(cfg, plan, args.batch)
+    _zero_notes(cfg, plan)
     datasets.Loader(ds.train_images, ds.train_labels, args.batch, args.seed)  # batch fits data
     out = pathlib.Path(args.out) if args.out else train.default_out_dir()
     return opts, cfg, plan, ds, out

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 AXES = ("data", "stage", "seq", "model")
 SP_MODES = ("none", "megatron", "ring", "ulysses", "usp")
 PP_MODES = ("none", "gpipe", "1f1b", "interleaved", "zb")
+ZERO_LEVELS = (0, 1, 2, 3)  # none, optimizer state, + gradients, + params (FSDP)
 
 
 class PlanError(ValueError):
@@ -105,7 +106,10 @@ class Plan:
         (over ``seq``).
       ulysses: the Ulysses factor of the ``seq`` axis for ``sp="usp"`` (None: chosen
         automatically) or for ``sp="megatron"`` on a seq axis (None: a ring over seq).
-      fsdp: split params (and optimizer state) over ``data``; gather before use (ZeRO-3).
+      zero: the ZeRO level over ``data``: 0 none; 1 the optimizer state split (gradients
+        reduce-scattered at the step's end, params all-gathered after the update); 2 also the
+        gradients, reduce-scattered where backward makes them; 3 the params too (FSDP).
+      fsdp: the same as ``zero=3`` (either sets the other; a conflict is a PlanError).
       remat: recompute each block in backward; with FSDP the gathered weights are then not
         kept but gathered again.
       pp: the pipeline schedule over ``stage`` (``parallel.schedules``): none, gpipe, 1f1b,
@@ -118,6 +122,7 @@ class Plan:
     sp: str = "none"
     ulysses: int | None = None
     fsdp: bool = False
+    zero: int = 0
     remat: bool = False
     pp: str = "none"
     microbatches: int = 1
@@ -140,6 +145,15 @@ class Plan:
             raise PlanError(
                 f"Unknown pipeline schedule {self.pp!r}; choose one of {', '.join(PP_MODES)}."
             )
+        if self.zero not in ZERO_LEVELS:
+            raise PlanError(f"--zero must be one of 0, 1, 2, 3, got {self.zero!r}.")
+        if self.fsdp and self.zero not in (0, 3):
+            raise PlanError(
+                f"--fsdp is ZeRO-3 but --zero {self.zero} was asked for; give one of them."
+            )
+        if self.fsdp or self.zero == 3:
+            object.__setattr__(self, "fsdp", True)
+            object.__setattr__(self, "zero", 3)
         for name in ("microbatches", "virtual"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

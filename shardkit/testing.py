@@ -30,7 +30,7 @@ import optax
 from hypothesis import strategies as st
 
 import vit_ref
-from shardkit.mesh import AXES, Plan
+from shardkit.mesh import AXES, ZERO_LEVELS, Plan
 from shardkit.parallel.data import optax_update
 from shardkit.parallel.schedules import SCHEDULES
 
@@ -272,12 +272,13 @@ def sharded_cases(
     draw: st.DrawFn,
     max_devices: int = 8,
     sp_modes: tuple[str, ...] = ("none",),
-    fsdp: bool | None = None,
+    zero: int | None = None,
     remat: bool | None = None,
 ) -> tuple[vit_ref.ViTConfig, Plan, int]:
     """(cfg, plan, batch) that fit each other: every divisibility constraint holds.
 
-    ``fsdp`` / ``remat``: None draws them. For ``usp`` the Ulysses degree u is drawn among the
+    ``zero`` (the ZeRO level, 3 = FSDP; any level needs data > 1) / ``remat``: None draws
+    them. For ``usp`` the Ulysses degree u is drawn among the
     divisors of the seq size (heads per model shard then divide by u) and given explicitly or
     left to the automatic choice, so true hybrids (1 < u < seq) occur, not only the pure ends.
     ``megatron`` draws a seq axis too (tokens over seq × model), with its inner core a ring
@@ -289,7 +290,8 @@ def sharded_cases(
     # A mode whose axis drew size 1 degenerates to plain TP/DP (still a valid, useful case).
     if (sp == "megatron" and mesh["model"] == 1) or (sp in SEQ_MODES and mesh["seq"] == 1):
         sp = "ring" if sp == "megatron" and mesh["seq"] > 1 else "none"
-    use_fsdp = draw(st.booleans()) if fsdp is None else fsdp
+    if zero is None:
+        zero = draw(st.sampled_from(ZERO_LEVELS)) if mesh["data"] > 1 else 0
     use_remat = draw(st.booleans()) if remat is None else remat
     ulysses = {"ulysses": mesh["seq"]}.get(sp, 1)
     explicit_ulysses = None
@@ -300,9 +302,9 @@ def sharded_cases(
         if sp == "megatron" and explicit_ulysses is None:
             ulysses = 1
     heads_multiple = mesh["model"] * ulysses
-    cfg = draw(vit_configs(heads_multiple, mesh["model"], mesh["data"] if use_fsdp else 1))
+    cfg = draw(vit_configs(heads_multiple, mesh["model"], mesh["data"] if zero else 1))
     batch = mesh["data"] * draw(st.integers(1, 2))
-    plan = Plan(mesh, sp=sp, ulysses=explicit_ulysses, fsdp=use_fsdp, remat=use_remat)
+    plan = Plan(mesh, sp=sp, ulysses=explicit_ulysses, zero=zero, remat=use_remat)
     return cfg, plan, batch
 
 
@@ -311,7 +313,7 @@ def pipeline_cases(
     draw: st.DrawFn, max_devices: int = 8, schedules: Sequence[str] = SCHEDULES
 ) -> tuple[vit_ref.ViTConfig, Plan, int]:
     """(cfg, plan, batch) of a pipelined ViT: a schedule over stage = 2..max_devices, composed
-    with whatever data, seq and model the remaining devices allow, FSDP on or off.
+    with whatever data, seq and model the remaining devices allow, ZeRO 0, 1 or 3 (FSDP).
 
     M is drawn as the schedule allows: any 1..2S for GPipe and 1F1B (multiples of S or not),
     a multiple of S for interleaved (V = 1 or 2), S..2S for zb. Tokens over seq run Ulysses
@@ -332,14 +334,14 @@ def pipeline_cases(
     sp = "ulysses" if seq > 1 else "none"
     if model > 1 and draw(st.booleans()):
         sp = "megatron"
-    use_fsdp = draw(st.booleans())
-    cfg = draw(vit_configs(model * seq, model, mesh["data"] if use_fsdp else 1))
+    zero = draw(st.sampled_from((0, 1, 3))) if mesh["data"] > 1 else 0  # ZeRO-2: refused
+    cfg = draw(vit_configs(model * seq, model, mesh["data"] if zero else 1))
     cfg = dataclasses.replace(cfg, depth=stages * virtual)
     plan = Plan(
         mesh,
         sp=sp,
         ulysses=seq if sp == "megatron" and seq > 1 else None,
-        fsdp=use_fsdp,
+        zero=zero,
         pp=pp,
         microbatches=micro,
         virtual=virtual,

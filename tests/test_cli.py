@@ -46,7 +46,7 @@ def test_verify_one_plan_prints_a_table(capsys):
     argv = ["verify", "--mesh", "data=2,seq=2", "--devices", "4", "--sp", "ring", "--pool", "gap"]
     assert cli.main([*argv, "--depth", "2", "--dim", "32", "--heads", "4", "--batch", "4"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split()[:4] == ["case", "mesh", "sp", "fsdp"]
+    assert out[0].split()[:4] == ["case", "mesh", "sp", "zero"]
     assert "data=2,seq=2,model=1" in out[1] and out[1].rstrip().endswith("✓")
     assert out[-1].startswith("1/1 cases match vit_ref")
 
@@ -119,6 +119,20 @@ def test_inspect_table(capsys):
         (["--mesh", "data=8", "--virtual", "2"], "--virtual 2 only applies with --pp interleaved"),
         (["--mesh", "data=8", "--microbatches", "0"], "--microbatches must be a positive"),
         (["--pp", "pipedream"], "invalid choice: 'pipedream'"),
+        (
+            ["--mesh", "model=8", "--zero", "1"],
+            "--zero 1 splits over data, but the mesh has data=1",
+        ),
+        (["--mesh", "data=8", "--zero", "2", "--fsdp"], "--fsdp is ZeRO-3 but --zero 2"),
+        (
+            ["--mesh", "data=8", "--zero", "1", "--dim", "36", "--heads", "4"],
+            "dim=36 is not divisible by data=8 (ZeRO-1 splits the embed axis over data)",
+        ),
+        (
+            ["--mesh", "data=2,stage=4", "--pp", "1f1b", "--depth", "4", "--zero", "2"],
+            "--zero 2 cannot run under --pp 1f1b",
+        ),
+        (["--zero", "4"], "invalid choice: 4"),
     ],
 )
 def test_bad_input_is_one_line_on_stderr_and_exit_2(argv, message, capsys):
@@ -128,6 +142,17 @@ def test_bad_input_is_one_line_on_stderr_and_exit_2(argv, message, capsys):
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("shardkit: error: ")
     assert message in lines[0]
+
+
+def test_zero_names_the_leaves_it_keeps_whole(capsys):
+    """Not an error: ZeRO-1/2 keep the leaves with no embed dim (biases) whole, and say so."""
+    argv = ["inspect", "--mesh", "data=2,model=2", "--devices", "4", "--zero", "1", *SMALL]
+    assert cli.main([*argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["zero"] == 1
+    (note,) = captured.err.strip().splitlines()
+    assert note.startswith("shardkit: note: ZeRO-1 keeps 5 leaves whole on every device")
+    assert "blocks/mlp/fc1/bias" in note and "head/bias" in note
 
 
 def test_bad_input_from_a_fresh_process_has_no_traceback():

@@ -119,7 +119,7 @@ def test_batches_land_split_over_data() -> None:
     sharding = NamedSharding(mesh, P("data"))
     images = np.arange(8 * 2, dtype=np.float32).reshape(8, 2, 1, 1)
     loader = Loader(images, np.arange(8, dtype=np.int32), batch=8, seed=0)
-    (x, y), = loader.batches(0, 1, sharding)
+    ((x, y),) = loader.batches(0, 1, sharding)
     assert x.sharding == sharding and {s.data.shape for s in x.addressable_shards} == {(2, 2, 1, 1)}
     np.testing.assert_array_equal(np.asarray(y), loader.indices(0))
     np.testing.assert_array_equal(np.asarray(x), images[loader.indices(0)])

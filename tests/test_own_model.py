@@ -40,12 +40,13 @@ def cases(draw):
     return shape, dict(batch=batch, tokens=tokens, dim=4 * heads, heads=heads, mlp=mlp)
 
 
-def build(shape, d, rules=None):
+def build(shape, d, rules=None, zero=3):
     mesh = shardkit.make_mesh(shape)
     model = own.sharded_model(mesh)
     if rules is not None:
         model = ShardedModel(mesh, own.param_axes(LAYERS), rules, model.loss_local,
-                             batch_specs=model.batch_specs, token_axes=("seq",))  # fmt: skip
+                             batch_specs=model.batch_specs, token_axes=("seq",),
+                             zero=zero)  # fmt: skip
     params = own.init(0, D_IN, d["dim"], d["heads"], d["mlp"], LAYERS)
     return mesh, model, params, own.batch_of(1, d["batch"], d["tokens"], D_IN)
 
@@ -78,6 +79,31 @@ def test_fsdp_rule_gathers_for_the_user():
         assert model.sync_axes["embed"]["kernel"] == ("seq",)  # reduce-scattered over data
         testing.compare_sharded(model.loss_and_grads, own.twin_loss, params, x, y,
                                 place=model.shard).assert_ok()  # fmt: skip
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_levels_split_the_state_not_the_params(zero):
+    """The same ``"embed": "data"`` rule at ZeRO-1/2: params stay whole, the optimizer state
+    and the gradients are split, and two clipped AdamW steps equal plain DP's."""
+    shape, d = {"data": 2, "seq": 2, "model": 2}, dict(batch=4, tokens=4, dim=8, heads=2, mlp=8)
+    optimizer = testing.comparison_optimizer()  # AdamW, eps 1e-3: its docstring says why
+    with jax.numpy_rank_promotion("allow"):
+        _, model, params, (x, y) = build(shape, d, {**own.RULES, "embed": "data"}, zero=zero)
+        _, plain, _, _ = build(shape, d)
+        assert model.specs["embed"]["kernel"] == P()
+        assert model.state_specs["embed"]["kernel"] == P(None, "data")
+        stepped = []
+        for m in (model, plain):
+            p = m.shard(params)
+            state = m.init_opt_state(optimizer, p)
+            for _ in range(2):
+                p, state, metrics = m.train_step(optimizer, clip_norm=0.1)(
+                    p, state, *m.shard_batch(x, y)
+                )
+            stepped.append((p, metrics["grad_norm"], state))
+        mu = stepped[0][2][0].mu["embed"]["kernel"]  # type: ignore[index]
+        assert mu.sharding.spec == P(None, "data") and mu.addressable_shards[0].data.shape == (3, 4)
+        testing.assert_trees_close(stepped[0][:2], stepped[1][:2], what=f"ZeRO-{zero} steps")
 
 
 def test_a_leaf_wrongly_token_free_is_an_implicit_collective():

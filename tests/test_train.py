@@ -31,9 +31,7 @@ PARITY_PLANS = {
     "DP×TP": Plan({"data": 4, "model": 2}),
     "ring×TP×FSDP": Plan({"data": 2, "seq": 2, "model": 2}, sp="ring", fsdp=True),
     "Ulysses": Plan({"data": 2, "seq": 4}, sp="ulysses"),
-    "1F1B×TP×FSDP": Plan(
-        {"data": 2, "stage": 2, "model": 2}, fsdp=True, pp="1f1b", microbatches=2
-    ),
+    "1F1B×TP×FSDP": Plan({"data": 2, "stage": 2, "model": 2}, fsdp=True, pp="1f1b", microbatches=2),
 }
 # warmup 2 then cosine decay over 6 steps; clip 0.5 is below every step's norm here, so the
 # clipping branch runs on every step.

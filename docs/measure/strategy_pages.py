@@ -28,6 +28,8 @@ CFG = vit_ref.ViTConfig(
 PAGES = {
     "dp": ("--mesh data=8", Plan({"data": 8})),
     "fsdp": ("--mesh data=8 --fsdp", Plan({"data": 8}, fsdp=True)),
+    "zero1": ("--mesh data=4,model=2 --zero 1", Plan({"data": 4, "model": 2}, zero=1)),
+    "zero2": ("--mesh data=4,model=2 --zero 2", Plan({"data": 4, "model": 2}, zero=2)),
     "tp": ("--mesh model=8", Plan({"model": 8})),
     "megatron_sp": ("--mesh data=2,model=4 --sp megatron",
                     Plan({"data": 2, "model": 4}, sp="megatron")),

@@ -24,7 +24,8 @@ Ring model, bytes SENT per device (DESIGN.md), V the bytes named:
 
 Per strategy (each ``_*_terms`` function states its own formulas and why each is the minimum):
   DP        AR_data of the gradients 2(n−1)/n·P·w; buckets by (sync axes, varying axes, dtype).
-  ZeRO-1    RS_data of the gradients + AG_data of the params: 2(n−1)/n·P·w (``zero1_terms``).
+  ZeRO-1/2  RS_data of the gradients (ZeRO-2: per layer, in backward) + AG_data of the
+            updated params: 2(n−1)/n·P·w (``_zero_terms``; ``zero1_terms`` for your own step).
   FSDP      per bucket AG_data forward, RS_data backward: 2(n−1)/n·P·w; with remat the block
             weights are gathered again in backward: ≈ 3(n−1)/n·P·w.
   TP        per block 2 AR_model forward (Megatron g) + 2 backward (Megatron f): 4·l·2(n−1)/n·A·w.
@@ -68,7 +69,7 @@ import jax
 import vit_ref
 from shardkit.comm.ledger import Tally
 from shardkit.mesh import AXES, Plan
-from shardkit.models.vit import check_plan, schedule, ulysses_factor
+from shardkit.models.vit import check_plan, row_leaves, schedule, ulysses_factor
 from shardkit.parallel import pipeline
 from shardkit.parallel.sequence import SEQ_RING, SEQ_ULYSSES, USP_AXES
 
@@ -332,7 +333,7 @@ def expected(
     """
     g = geometry(cfg, plan, batch, platform)
     if plan.pp == "none":
-        body = [*_layer_terms(g), *_pool_terms(g), *_fsdp_terms(g)]
+        body = [*_layer_terms(g), *_pool_terms(g), *_fsdp_terms(g), *_zero_terms(g)]
     else:
         last = plan.size("stage") - 1
         body = _pipeline_terms(g, last if stage is None else stage)
@@ -377,9 +378,7 @@ def _pipeline_terms(g: Geometry, stage: int) -> list[Term]:
     plan, micro = g.plan, g.plan.microbatches
     stages = plan.size("stage")
     depth = g.cfg.depth // stages * micro
-    gm = dataclasses.replace(
-        g, cfg=dataclasses.replace(g.cfg, depth=depth), batch=g.batch // micro
-    )
+    gm = dataclasses.replace(g, cfg=dataclasses.replace(g.cfg, depth=depth), batch=g.batch // micro)
     layers = _layer_terms(gm)
     if plan.pp == "zb" and stage > 0:  # stage 0's B is dead: only W needs chunk 0's dx
         layers += [
@@ -407,11 +406,14 @@ def _pipeline_terms(g: Geometry, stage: int) -> list[Term]:
         ),
         *(pool if stage == stages - 1 else []),
         *_pipeline_fsdp_terms(g),
+        *_zero_terms(g),
     ]  # fmt: skip
 
 
 def _pipeline_fsdp_terms(g: Geometry) -> list[Term]:
     """FSDP under a pipeline: every FSDP-split leaf a device holds gathered once per step."""
+    if g.plan.zero != 3:
+        return []
     leaves = [leaf for leaf in param_leaves(g) if "data" in leaf.split]
     return [
         *_fsdp_group(g, "all-gather", leaves, 1, "this stage's layers and the ends", "forward"),
@@ -596,8 +598,10 @@ class Leaf:
     Attributes:
       path: keys from the root, e.g. ("blocks", "mlp", "fc1", "kernel").
       shape: the full shape (blocks stacked along a leading l axis).
-      split: mesh axes that split it (``heads``, ``mlp`` -> model; ``embed`` -> data under FSDP).
-      local: elements on one device.
+      split: mesh axes that split it (``heads``, ``mlp`` -> model; ``embed`` -> data under
+        ZeRO: the params themselves under ZeRO-3, their optimizer state and synced gradients
+        under ZeRO-1/2).
+      local: elements on one device (of the state under ZeRO-1/2).
     """
 
     path: tuple[str, ...]
@@ -613,7 +617,7 @@ class Leaf:
 def param_leaves(g: Geometry) -> list[Leaf]:
     """Every param leaf of ``vit_ref.init(cfg)`` with its split under ``g.plan`` (no arrays)."""
     rules = {"heads": "model", "mlp": "model"}
-    if g.plan.fsdp:
+    if g.plan.zero:  # ZeRO-1/2: the state and gradients; ZeRO-3: the params too
         rules["embed"] = "data"
     if g.plan.pp != "none":
         rules["layers"] = "stage"
@@ -655,23 +659,55 @@ def _gradient_terms(g: Geometry) -> list[Term]:
     with P_bucket the LOCAL elements. Each element must cross the group once in each ring
     phase, so no scheme sends fewer bytes. At the step's end all buckets over the same axes,
     and the loss over data, are independent, and XLA's all-reduce combiner runs them as ONE op.
-    One exception to "no fewer bytes": over the token axes, ``pos_embedding`` (and ``cls``)
-    gradients are not partial sums but disjoint slices (each token shard touches only its own
-    rows), for which an all-gather, (n−1)/n·V, would do; the all-reduce sends 2(n−1)/n·V.
-    That excess is at most T·d·w per step (0.6% of the ring case of the test matrix).
+    The token-indexed leaves (``_row_terms``) are not partial sums over the token axes: only
+    their own rows' slice joins the buckets (over data).
     """
+    rows = _row_leaves(g)
     buckets: dict[tuple[Axes, frozenset[str]], int] = {}
     for leaf in param_leaves(g):
         axes = sync_axes(g, leaf)
+        size = leaf.local
+        if leaf.path[0] in rows:
+            axes = tuple(a for a in axes if a not in g.token_axes)
+            size = size // leaf.shape[1] * g.t  # this shard's rows (cls and patches alike)
+            if leaf.path[0] == "cls":
+                continue  # one slice of [cls; pos_embedding] rows: counted with the patches
         if axes:
-            key = (axes, frozenset(axes) | frozenset(leaf.split))
-            buckets[key] = buckets.get(key, 0) + leaf.local
+            varying = frozenset(axes) | frozenset(leaf.split)
+            if leaf.path[0] in rows:
+                varying |= frozenset(g.token_axes)
+            buckets[(axes, varying)] = buckets.get((axes, varying), 0) + size
     terms = []
     for (axes, varying), size in buckets.items():
         what = f"gradient bucket of {size:,} elements varying over {','.join(sorted(varying))}"
         each = all_reduce_bytes(size * WORD, g.n(axes))
         terms.append(Term("all-reduce", axes, 1, each, what, STEP_END, fused=STEP_END))
-    return terms
+    return [*terms, *_row_terms(g)]
+
+
+def _row_leaves(g: Geometry) -> tuple[str, ...]:
+    """``vit.row_leaves`` when tokens are split, else ()."""
+    return row_leaves(g.cfg) if g.token_axes else ()
+
+
+def _row_terms(g: Geometry) -> list[Term]:
+    """The token-indexed gradients (``vit.row_leaves``: the learned position embedding and
+    the class token) over the token axes: ``rows[T'_S, d] --AllGather--> rows[T', d]``.
+
+    Each token shard's forward touched only its own t rows, so the shards' gradients are
+    disjoint row slices, not partial sums: the sum is the concatenation, and each device needs
+    the T' − t rows it lacks, (n−1)/n·T'·d·w (T' = T padded; the padded rows are zeros) — the
+    minimum, against the all-reduce's 2(n−1)/n·T·d·w. One op after the step-end buckets.
+    """
+    rows = _row_leaves(g)
+    if not rows:
+        return []
+    pos = next(leaf for leaf in param_leaves(g) if leaf.path[0] == "pos_embedding")
+    width = pos.local // pos.shape[1]  # d, or d/n_data where ZeRO splits it
+    whole = g.padded_tokens * width * WORD
+    what = f"{' and '.join(rows)} gradient rows of each token shard"
+    return _term(g, "all-gather", g.token_axes, 1, all_gather_bytes(whole, g.shards), what,
+                 STEP_END)  # fmt: skip
 
 
 def _fsdp_terms(g: Geometry) -> list[Term]:
@@ -690,6 +726,8 @@ def _fsdp_terms(g: Geometry) -> list[Term]:
     remat: backward re-runs each block's forward and gathers its buckets again (a bucket is
     gathered whole: its leaves are read together), + (n−1)/n·P_blocks·w, ≈ 3(n−1)/n·P·w.
     """
+    if g.plan.zero != 3:
+        return []
     leaves = [leaf for leaf in param_leaves(g) if "data" in leaf.split]
     outer = [leaf for leaf in leaves if not leaf.in_blocks]
     blocks = [leaf for leaf in leaves if leaf.in_blocks]
@@ -701,6 +739,45 @@ def _fsdp_terms(g: Geometry) -> list[Term]:
         *_fsdp_group(g, "reduce-scatter", blocks, layers, "their gradients", "backward"),
         *_fsdp_group(g, "all-gather", blocks * g.plan.remat, layers, "block weights", "recompute"),
     ]
+
+
+def _zero_terms(g: Geometry) -> list[Term]:
+    """ZeRO-1 / ZeRO-2 over data (``plan.zero``): params replicated, state split.
+
+    Every embed-split leaf's gradient ``dw[D]{U_data} --ReduceScatter--> dw[D_data]``: a device
+    updates only its slice, so it needs only that slice's sum; then
+    ``w[D_data] --AllGather--> w[D]``: every device needs every param for the next forward.
+    (n−1)/n·P·w each, 2(n−1)/n·P·w together, one all-reduce's bytes: the minimum for a
+    replicated param trained on split data. Leaves with no embed dim (biases over mlp or
+    classes) stay in the all-reduce buckets (``_gradient_terms``).
+    Ops: the reduce-scatters run in the gradients' buckets (``data.zero_scatter``, keyed like
+    FSDP's by the varying axes: model-split or not, token-reduced or not); ZeRO-1 runs each
+    once, after backward; ZeRO-2 runs the blocks' inside the layer loop, once per layer, in
+    that layer's backward step (the outer leaves' once), so no layer's whole gradient outlives
+    its step. The all-gathers after the update: one per set of split axes (the updated slices
+    vary over data and the axes that split the param, nothing else). XLA's CPU pipeline
+    combines neither.
+    """
+    if g.plan.zero not in (1, 2):
+        return []
+    n = g.plan.size("data")
+    leaves = [leaf for leaf in param_leaves(g) if "data" in leaf.split]
+    outer = [leaf for leaf in leaves if not leaf.in_blocks]
+    blocks = [leaf for leaf in leaves if leaf.in_blocks]
+    if g.plan.zero == 1:
+        scatters = _fsdp_group(g, "reduce-scatter", leaves, 1, "gradient slices", STEP_END)
+    else:
+        scatters = [
+            *_fsdp_group(g, "reduce-scatter", outer, 1, "outer gradient slices", "backward"),
+            *_fsdp_group(
+                g, "reduce-scatter", blocks, g.cfg.depth, "block gradient slices, per layer",
+                "backward",
+            ),
+        ]  # fmt: skip
+    gathered = all_gather_bytes(sum(leaf.local * n * WORD for leaf in leaves), n)
+    count = len({frozenset(leaf.split) for leaf in leaves})
+    gathers = _term(g, "all-gather", ["data"], count, gathered / count, "updated params", STEP_END)
+    return [*scatters, *gathers]
 
 
 def fsdp_buckets(g: Geometry, leaves: list[Leaf]) -> int:
@@ -734,8 +811,8 @@ def zero1_terms(
     ``dw{U_X} --ReduceScatter--> dw[I_X]``, update the local slice with the local state, then
     ``w[I_X] --AllGather--> w[I]``: (n−1)/n·P·w + (n−1)/n·P·w = 2(n−1)/n·P·w, exactly one
     all-reduce's bytes, with 1/n of the optimizer state per device. Leaves that cannot be split
-    (``replicated_elements``) are all-reduced whole. The ViT train step does not use ZeRO-1
-    (FSDP subsumes it); this states the formula for users of ``zero1_update``.
+    (``replicated_elements``) are all-reduced whole. The formula for users of ``zero1_update`` in
+    their own step (the ViT's ``--zero 1/2`` terms are ``_zero_terms``).
 
     Args:
       split_elements: elements of the leaves split over ``axis`` (full, before the split).

@@ -309,9 +309,7 @@ def format_table(ledger: Ledger) -> str:
     for c in ledger.collectives:
         key = (c.kind, c.axes, c.group_size, c.origin)
         rows[key] = rows.get(key, Tally(0, 0.0)).add(c)
-    header = (
-        f"{'collective':<20}{'axes':<18}{'group':>6}{'count':>8}{'bytes sent':>16}  origin"
-    )
+    header = f"{'collective':<20}{'axes':<18}{'group':>6}{'count':>8}{'bytes sent':>16}  origin"
     lines = [header, "-" * len(header)]
     for (kind, axes, group, origin), t in sorted(rows.items()):
         axes_text = ",".join(axes) or "-"

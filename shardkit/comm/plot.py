@@ -97,7 +97,7 @@ def _title(report: Report) -> str:
     mesh = ", ".join(f"{a}={s}" for a, s in p.mesh.items() if s > 1) or "1 device"
     verdict = "contract holds" if report.contract_ok else "contract BROKEN"
     return (
-        f"{mesh}  sp={p.sp} fsdp={p.fsdp} remat={p.remat}: {report.measured_bytes_sent / 1e6:.3f}"
+        f"{mesh}  sp={p.sp} zero={p.zero} remat={p.remat}: {report.measured_bytes_sent / 1e6:.3f}"
         f" MB sent per device per step, {report.ratio:.3f}× the expected minimum ({verdict})"
     )
 

@@ -35,7 +35,7 @@ from shardkit.comm import cost
 from shardkit.comm.ledger import KINDS, Ledger, Tally, measure
 from shardkit.mesh import Plan, format_mesh, make_mesh
 from shardkit.models.sharded import opt_state_layout
-from shardkit.models.vit import ShardedViT, check_plan, param_specs, schedule
+from shardkit.models.vit import ShardedViT, check_plan, param_specs, schedule, state_specs
 from shardkit.parallel import pipeline
 from shardkit.parallel.schedules import Schedule
 from vit_ref.train import apply_optimizer
@@ -141,6 +141,7 @@ class Report:
             "mesh": format_mesh(plan.mesh),
             "sp": plan.sp,
             "fsdp": plan.fsdp,
+            "zero": plan.zero,
             "remat": plan.remat,
             "pp": plan.pp,
             "microbatches": plan.microbatches,
@@ -195,7 +196,7 @@ def _row_order(key: Key) -> tuple[int, tuple[str, ...]]:
 def _title(e: cost.Expectation) -> str:
     c, p = e.cfg, e.plan
     model = f"ViT dim={c.dim} depth={c.depth} heads={c.heads} mlp={c.mlp_dim} tokens={c.num_tokens}"
-    plan = f"mesh {format_mesh(p.mesh)} sp={p.sp} fsdp={p.fsdp} remat={p.remat}"
+    plan = f"mesh {format_mesh(p.mesh)} sp={p.sp} zero={p.zero} remat={p.remat}"
     if p.pp != "none":
         plan += f" pp={p.pp} microbatches={p.microbatches} virtual={p.virtual} (the last stage)"
     return f"{model}, batch {e.batch}, {c.dtype}; {plan}"
@@ -226,15 +227,18 @@ def step_args(
     """Abstract (params, opt_state, images, labels) for ``model.train_step(optimizer)``.
 
     Shapes from ``vit_ref.init``; shardings as ``model.shard`` / ``init_opt_state`` /
-    ``shard_batch`` place them (params and optimizer moments like their params).
+    ``shard_batch`` place them (params as ``model.specs``, optimizer moments as
+    ``model.state_specs``: like their params, but split over data under ZeRO-1/2).
     """
     model.check_batch(batch)
-    return _args(model.cfg, model.specs, model.sharding, model.batch_spec, batch, optimizer)
+    specs = (model.specs, model.state_specs)
+    return _args(model.cfg, *specs, model.sharding, model.batch_spec, batch, optimizer)
 
 
 def _args(
     cfg: vit_ref.ViTConfig,
     specs: Any,
+    state_specs: Any,
     sharding: Callable[[P], NamedSharding],
     batch_spec: P,
     batch: int,
@@ -242,7 +246,7 @@ def _args(
 ) -> tuple[Any, ...]:
     shapes = jax.eval_shape(lambda: vit_ref.init(jax.random.key(0), cfg))
     params = _abstract(shapes, jax.tree.map(sharding, specs))
-    opt_state = _abstract(*opt_state_layout(optimizer, shapes, specs, sharding))
+    opt_state = _abstract(*opt_state_layout(optimizer, shapes, state_specs, sharding))
     data = sharding(batch_spec)
     images = jax.ShapeDtypeStruct((batch, cfg.image, cfg.image, cfg.channels), jnp.float32)
     labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
@@ -380,7 +384,9 @@ def auto_train_step(
     specs = param_specs(cfg, plan)
     param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     shapes = jax.eval_shape(lambda: vit_ref.init(jax.random.key(0), cfg))
-    _, opt_shardings = opt_state_layout(optimizer, shapes, specs, lambda s: NamedSharding(mesh, s))
+    _, opt_shardings = opt_state_layout(
+        optimizer, shapes, state_specs(cfg, plan), lambda s: NamedSharding(mesh, s)
+    )
 
     def step(params: Any, opt_state: Any, images: jax.Array, labels: jax.Array) -> Any:
         loss, grads = jax.value_and_grad(vit_ref.loss_fn)(params, images, labels, cfg, constrain)
@@ -409,6 +415,6 @@ def measure_auto(cfg: vit_ref.ViTConfig, plan: Plan, batch: int) -> Ledger:
     step, _, _ = auto_train_step(cfg, plan, optimizer)
     mesh = make_mesh(plan.mesh)
     batch_spec = P("data") if plan.size("data") > 1 else P()
-    specs = param_specs(cfg, plan)
-    args = _args(cfg, specs, lambda s: NamedSharding(mesh, s), batch_spec, batch, optimizer)
+    specs = (param_specs(cfg, plan), state_specs(cfg, plan))
+    args = _args(cfg, *specs, lambda s: NamedSharding(mesh, s), batch_spec, batch, optimizer)
     return measure(step, *args, mesh=mesh)

@@ -15,6 +15,13 @@ The generic layer under every sharded model here (``ShardedViT`` is one user of 
                before ``loss_local`` runs; False leaves it to ``loss_local``
                (``data.fsdp_gather(p, model.gather_dims(...))`` one layer at a time, as
                ``ShardedViT`` does, so only one layer's weights are ever whole).
+  zero         what the batch-axis rules split (the ZeRO level): 3 (default) the params
+               themselves (FSDP, as above); 1 only the optimizer state (params replicated,
+               gradients reduce-scattered when backward is done, params all-gathered after
+               the update, the whole step in one ``shard_map``); 2 also the gradients,
+               reduce-scattered as backward makes them (``data.zero_attach``; a model with a
+               layer loop overrides ``zero2_loss_local`` to attach per layer, as
+               ``ShardedViT`` does).
 
 and get, per leaf, its ``PartitionSpec``, the axes its gradient is a partial sum over
 (``sync_axes``), the dim FSDP gathers (``gather_dims``), the optimizer state sharded like the
@@ -177,6 +184,21 @@ def gather_dims(specs: PyTree, axis: str = "data", drop_leading: int = 0) -> PyT
     return jax.tree.map(dim, specs, is_leaf=_is_spec)
 
 
+def opt_state_specs(optimizer: optax.GradientTransformation, params: PyTree, specs: PyTree) -> Any:
+    """``optimizer``'s state as a tree of PartitionSpecs: param-shaped leaves as their param's
+    spec, the rest (step counts) replicated. ``params`` may be arrays, tracers or shapes."""
+    with jax.numpy_dtype_promotion("standard"):  # optax is not strict-promotion clean
+        shapes = jax.eval_shape(optimizer.init, params)
+    return optax.tree_map_params(
+        optimizer,
+        lambda _, spec: spec,
+        shapes,
+        specs,
+        transform_non_params=lambda _: P(),
+        is_leaf=_is_spec,
+    )
+
+
 def opt_state_layout(
     optimizer: optax.GradientTransformation,
     params: PyTree,
@@ -190,15 +212,8 @@ def opt_state_layout(
     """
     with jax.numpy_dtype_promotion("standard"):  # optax is not strict-promotion clean
         shapes = jax.eval_shape(optimizer.init, params)
-    shardings = optax.tree_map_params(
-        optimizer,
-        lambda _, spec: sharding(spec),
-        shapes,
-        specs,
-        transform_non_params=lambda _: sharding(P()),
-        is_leaf=_is_spec,
-    )
-    return shapes, shardings
+    state_specs = opt_state_specs(optimizer, params, specs)
+    return shapes, jax.tree.map(sharding, state_specs, is_leaf=_is_spec)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -226,20 +241,27 @@ class ShardedModel:
         token_axes: Axes = (),
         token_free: Sequence[str] = (),
         gather: bool = True,
+        zero: int = 3,
     ) -> None:
         missing = [a for a in (*batch_axes, *token_axes) if a not in mesh.shape]
         if missing:
             raise PlanError(
                 f"Axis {missing[0]!r} is not in the mesh (axes: {', '.join(mesh.axis_names)})."
             )
+        if zero not in (1, 2, 3):
+            raise PlanError(f"zero must be 1, 2 or 3 (the ZeRO level), got {zero!r}.")
         self.mesh, self.param_axes, self.loss_local = mesh, param_axes, loss_local
         self.rules = mesh_rules(rules, mesh)
-        self.specs = logical_specs(param_axes, self.rules)
         self.batch_axes = tuple(a for a in batch_axes if mesh.shape[a] > 1)
+        # The optimizer state (and the synced gradients) are split as the rules say; the params
+        # too under ZeRO-3, replicated over the batch axes under ZeRO-1 and ZeRO-2.
+        self.state_specs = logical_specs(param_axes, self.rules)
+        self.zero = zero
+        self.specs = self.state_specs if zero == 3 else _without(self.state_specs, self.batch_axes)
         self.token_axes = tuple(token_axes)
         default = P(self.batch_axes) if self.batch_axes else P()
         self.batch_specs = tuple(batch_specs) if batch_specs is not None else (default,)
-        self.sync_axes = grad_sync_axes(self.specs, mesh, batch_axes, token_axes, token_free)
+        self.sync_axes = grad_sync_axes(self.state_specs, mesh, batch_axes, token_axes, token_free)
         self.gather = gather
         self._steps: dict[tuple[Any, float | None], Callable[..., Any]] = {}
 
@@ -252,9 +274,34 @@ class ShardedModel:
         axis = self.batch_axes[0] if self.batch_axes else "data"
         return gather_dims(specs, axis, drop_leading)
 
+    @property
+    def zero_axis(self) -> str | None:
+        """The batch axis ZeRO-1/2 split the optimizer state over (None: no ZeRO-1/2)."""
+        return self.batch_axes[0] if self.zero in (1, 2) and self.batch_axes else None
+
+    @property
+    def zero_dims(self) -> PyTree:
+        """Per leaf, the dim ZeRO-1/2 split its state and gradient along, or None (kept whole)."""
+        return gather_dims(self.state_specs, self.zero_axis or "data")
+
+    @property
+    def vary_axes(self) -> PyTree:
+        """Per leaf, the axes params are cast varying over before autodiff: the sync axes, and
+        under ZeRO-1/2 the batch axis of the split leaves (reduce-scattered, not synced)."""
+        axis = self.zero_axis
+        if axis is None:
+            return self.sync_axes
+
+        def axes(sync: Axes, dim: int | None) -> Axes:
+            return sync if dim is None else (*sync, axis)
+
+        return jax.tree.map(
+            axes, self.sync_axes, self.zero_dims, is_leaf=lambda x: isinstance(x, tuple)
+        )
+
     def check_params(self, params: PyTree) -> None:
         """PlanError naming the leaf, dim and axis if a split dim does not divide."""
-        check_divisible(params, self.specs, self.param_axes, self.mesh)
+        check_divisible(params, self.state_specs, self.param_axes, self.mesh)
 
     def check_inputs(self, *batch: Any) -> None:
         """PlanError naming the input and dim if a batch input does not divide its spec."""
@@ -302,23 +349,45 @@ class ShardedModel:
             params = dp.fsdp_gather(params, self.gather_dims(), self.batch_axes[0])
         return self.loss_local(params, *batch)
 
+    def zero2_loss_local(self, frags: PyTree, params: PyTree, *batch: Array) -> Array:
+        """ZeRO-2's loss: ``loss_local`` on ``params`` whose gradients go to ``frags``,
+        reduce-scattered once backward is done (override to attach them layer by layer)."""
+        attached = dp.zero_attach(params, frags, self.zero_dims, self.zero_axis)
+        return self._loss_gathered(attached, *batch)
+
     def loss_and_grads_local(self, params: PyTree, *batch: Array) -> tuple[Array, PyTree]:
-        """Inside shard_map: (global loss, synced gradients sharded like params)."""
+        """Inside shard_map: (global loss, synced gradients sharded like ``state_specs``)."""
         # Cast params varying over the axes their gradients are partial sums over, so autodiff
         # leaves those sums alone and sync_grads reduces them explicitly, bucketed.
-        share, grads = jax.value_and_grad(self._loss_gathered)(
-            dp.vary(params, self.sync_axes), *batch
-        )
-        grads = dp.sync_grads(grads, self.sync_axes)
+        params = dp.vary(params, self.vary_axes)
+        if self.zero == 2 and self.zero_axis:
+            frags = dp.zero_slices(params, self.zero_dims, self.zero_axis)
+            share, grads = jax.value_and_grad(self.zero2_loss_local)(frags, params, *batch)
+        else:
+            share, grads = jax.value_and_grad(self._loss_gathered)(params, *batch)
+        return self.total_loss(share), self.finish_grads(grads)
+
+    def finish_grads(self, grads: PyTree) -> PyTree:
+        """Raw gradients to synced ones: ZeRO-1's reduce-scatter, then ``sync_grads``."""
+        if self.zero == 1 and self.zero_axis:
+            grads = dp.zero_scatter(grads, self.zero_dims, self.zero_axis)
+        return self.sync_grads_local(grads)
+
+    def sync_grads_local(self, grads: PyTree) -> PyTree:
+        """Sums the partial gradients over their ``sync_axes`` (``data.sync_grads``); a model
+        whose gradients are disjoint slices somewhere overrides it to gather those instead."""
+        return dp.sync_grads(grads, self.sync_axes)
+
+    def total_loss(self, share: Array) -> Array:
+        """The loss value (for logging): the sum of the shares over the axes they differ on."""
         varying = dp.varying_axes(share)
         axes = tuple(a for a in self.mesh.axis_names if a in varying)
-        # The loss value (for logging): the sum of the shares over the axes they differ on.
-        return (jax.lax.psum(share, axes) if axes else share), grads
+        return jax.lax.psum(share, axes) if axes else share
 
     @property
     def split_axes(self) -> PyTree:
-        """Per param leaf, the mesh axes its spec splits it over (for ``data.global_norm``)."""
-        return jax.tree.map(_spec_axes, self.specs, is_leaf=_is_spec)
+        """Per gradient leaf, the mesh axes it is split over (for ``data.global_norm``)."""
+        return jax.tree.map(_spec_axes, self.state_specs, is_leaf=_is_spec)
 
     @property
     def reduce_axes(self) -> Axes:
@@ -337,18 +406,19 @@ class ShardedModel:
         """shard_map of (params, *batch) -> (loss, grads[, grad_norm])."""
         in_specs = (self.specs, *self.batch_specs)
         if clip_norm is None:
-            return self.shard_map(self.loss_and_grads_local, in_specs, (P(), self.specs))
+            return self.shard_map(self.loss_and_grads_local, in_specs, (P(), self.state_specs))
         body = functools.partial(self.clipped_grads_local, clip_norm)
-        return self.shard_map(body, in_specs, (P(), self.specs, P()))
+        return self.shard_map(body, in_specs, (P(), self.state_specs, P()))
 
     @functools.cached_property
     def loss_and_grads(self) -> Callable[..., tuple[Array, PyTree]]:
-        """Jitted ``(params, *batch) -> (loss, grads)``; grads are sharded like params."""
+        """Jitted ``(params, *batch) -> (loss, grads)``; grads sharded like ``state_specs``
+        (like the params, but split over the batch axis under ZeRO-1/2)."""
         return jax.jit(self._grads_map(None))
 
     def init_opt_state(self, optimizer: optax.GradientTransformation, params: PyTree) -> Any:
-        """The optimizer state, each param-shaped leaf sharded like its param."""
-        _, shardings = opt_state_layout(optimizer, params, self.specs, self.sharding)
+        """The optimizer state, each param-shaped leaf sharded like ``state_specs``."""
+        _, shardings = opt_state_layout(optimizer, params, self.state_specs, self.sharding)
         return jax.jit(optimizer.init, out_shardings=shardings)(params)
 
     def train_step(
@@ -361,9 +431,13 @@ class ShardedModel:
         gradients (``data.global_norm``: one scalar all-reduce over every axis of size > 1),
         and the gradients are clipped to it as ``optax.clip_by_global_norm(clip_norm)`` would
         (``float("inf")`` reports the norm and never clips). The update is elementwise on
-        arrays sharded like their params, so it adds no communication.
+        arrays sharded like their params, so it adds no communication. Under ZeRO-1/2 the whole
+        step is one ``shard_map`` (``zero_step_local``): the update runs on this device's slice
+        and the params are all-gathered after it.
         """
         key = (optimizer, clip_norm)  # the optimizer is kept alive by the cache: never confused
+        if key not in self._steps and self.zero_axis:
+            self._steps[key] = self._zero_step(optimizer, clip_norm)
         if key not in self._steps:
             grad_fn = self._grads_map(clip_norm)
 
@@ -375,3 +449,55 @@ class ShardedModel:
 
             self._steps[key] = jax.jit(step, donate_argnums=(0, 1))
         return self._steps[key]
+
+    def zero_step_local(
+        self,
+        optimizer: optax.GradientTransformation,
+        clip_norm: float | None,
+        params: PyTree,
+        opt_state: Any,
+        *batch: Array,
+    ) -> tuple[PyTree, Any, dict[str, Array]]:
+        """Inside shard_map, ZeRO-1/2: gradients reduce-scattered (and clipped from their
+        slices), this device's slice updated with its state slice, params all-gathered."""
+        if clip_norm is None:
+            loss, grads = self.loss_and_grads_local(params, *batch)
+            metrics = {"loss": loss}
+        else:
+            loss, grads, norm = self.clipped_grads_local(clip_norm, params, *batch)
+            metrics = {"loss": loss, "grad_norm": norm}
+        params, opt_state = dp.zero_update(
+            optimizer, grads, opt_state, params, self.zero_dims, self.zero_axis
+        )
+        return params, opt_state, metrics
+
+    def _zero_step(
+        self, optimizer: optax.GradientTransformation, clip_norm: float | None
+    ) -> Callable[..., Any]:
+        body = functools.partial(self.zero_step_local, optimizer, clip_norm)
+        metrics = {"loss": P()} | ({"grad_norm": P()} if clip_norm is not None else {})
+
+        def step(params: PyTree, opt_state: Any, *batch: Array):
+            state_specs = opt_state_specs(optimizer, params, self.state_specs)
+            in_specs = (self.specs, state_specs, *self.batch_specs)
+            return self.shard_map(body, in_specs, (self.specs, state_specs, metrics))(
+                params, opt_state, *batch
+            )
+
+        return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _without(specs: PyTree, axes: Axes) -> PyTree:
+    """``specs`` with ``axes`` removed from every entry (what stays split over the rest)."""
+
+    def entry(e: Any) -> Any:
+        kept = tuple(a for a in _spec_axes(P(e)) if a not in axes)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    def without(spec: P) -> P:
+        entries = [entry(e) for e in spec]
+        while entries and entries[-1] is None:  # P(None, None) is P(), spelt as logical_specs does
+            entries.pop()
+        return P(*entries)
+
+    return jax.tree.map(without, specs, is_leaf=_is_spec)

@@ -15,14 +15,18 @@ S = the token axes of the sp mode, B split over data):
   LN -> pool: psum over S of the class token or of the valid tokens -> pooled[B_data, D]
   head -> logits[B_data, O] -> cross-entropy / global batch.
 
-Gradient collectives, all visible: params are cast to varying over the axes their gradient is
-a partial sum over (``grad_sync_axes``), autodiff runs on those, and ``data.sync_grads``
-all-reduces once per axis set. FSDP leaves come back reduce-scattered instead (the transpose
-of their all-gather). TP reductions are Megatron's f/g (or all-gather/reduce-scatter pairs for
-sp="megatron", whose residual stream holds T/(seq·model) tokens: each TP region gathers the
-model shards back to the seq split T_seq, and attention runs its ring / Ulysses / USP core over
-seq on those, exactly as the other sp modes do). The optimizer update runs outside the
-shard_map on arrays already sharded like their params, so it moves nothing.
+Gradient collectives, all visible: params are cast to varying over the axes their gradient is a
+partial sum over (the model's ``sync_axes``), autodiff runs on those, and ``data.sync_grads``
+all-reduces once per axis set. FSDP leaves come back reduce-scattered instead (the transpose of
+their all-gather); under ZeRO-1 every embed-split leaf's gradient is reduce-scattered once
+backward is done, under ZeRO-2 each layer's in that layer's backward step (``data.zero_attach``
+in the scan body), and the update runs on this device's slice before the params are all-
+gathered (``ShardedModel.zero_step_local``). TP reductions are Megatron's f/g (or all-
+gather/reduce-scatter pairs for sp="megatron", whose residual stream holds T/(seq·model)
+tokens: each TP region gathers the model shards back to the seq split T_seq, and attention runs
+its ring / Ulysses / USP core over seq on those, exactly as the other sp modes do). The
+optimizer update runs outside the shard_map on arrays already sharded like their params, so it
+moves nothing.
 
 Pipeline (``plan.pp``, stage > 1): the stacked layers are split over ``stage`` in S·V chunks of
 depth/(S·V) layers (chunk c on device c mod S; ``layer_order`` stores them so, and
@@ -61,6 +65,7 @@ from shardkit.parallel import data as dp
 from shardkit.parallel import pipeline as pl
 from shardkit.parallel import schedules
 from shardkit.parallel import sequence as sp
+from shardkit.parallel.collectives import all_gather
 from shardkit.parallel.tensor import attention_tp, mlp_tp
 from vit_ref import model as ref
 
@@ -77,8 +82,21 @@ HEAD_LEAVES = ("encoder_norm", "head")
 
 
 def rules(plan: Plan) -> dict[str, str]:
-    """The logical-to-mesh axis table for ``plan``; axes of size 1 split nothing."""
-    table = {**RULES, "embed": "data"} if plan.fsdp else dict(RULES)
+    """The logical-to-mesh axis table of the params for ``plan``; axes of size 1 split nothing.
+
+    ``embed`` goes to data under FSDP (ZeRO-3) only."""
+    return _table(plan, plan.zero == 3)
+
+
+def state_rules(plan: Plan) -> dict[str, str]:
+    """The table of the optimizer state and the synced gradients: ``rules`` plus ``embed``
+    over data from ZeRO-1 up (a leaf with no embed dim, a bias over mlp or classes, is kept
+    whole: ``zero_replicated``)."""
+    return _table(plan, plan.zero >= 1)
+
+
+def _table(plan: Plan, embed_over_data: bool) -> dict[str, str]:
+    table = {**RULES, "embed": "data"} if embed_over_data else dict(RULES)
     if plan.pp != "none":
         table["layers"] = "stage"
     return {name: axis for name, axis in table.items() if plan.size(axis) > 1}
@@ -95,8 +113,19 @@ def check_plan(cfg: vit_ref.ViTConfig, plan: Plan, batch: int | None = None) -> 
         (cfg.heads % model, f"heads={cfg.heads} is not divisible by model={model}"),
         (cfg.mlp_dim % model, f"mlp_dim={cfg.mlp_dim} is not divisible by model={model}"),
         (
-            plan.fsdp and cfg.dim % data,
-            f"dim={cfg.dim} is not divisible by data={data} (FSDP splits the embed axis over data)",
+            plan.zero and data == 1,
+            f"--zero {plan.zero} splits over data, but the mesh has data=1",
+        ),
+        (
+            plan.zero and cfg.dim % data,
+            f"dim={cfg.dim} is not divisible by data={data} (ZeRO-{plan.zero} splits the embed "
+            "axis over data)",
+        ),
+        (
+            plan.zero == 2 and plan.pp != "none",
+            f"--zero 2 cannot run under --pp {plan.pp}: the schedule sums each layer's "
+            "gradients over the microbatches before they are whole, so they cannot be "
+            "reduce-scattered as backward makes them; use --zero 1 (the same memory here) or 3",
         ),
         (
             plan.sp == "none" and seq > 1,
@@ -279,15 +308,34 @@ def param_specs(cfg: vit_ref.ViTConfig, plan: Plan) -> Params:
     return logical_specs(vit_ref.param_axes(cfg), rules(plan))
 
 
-def grad_sync_axes(cfg: vit_ref.ViTConfig, plan: Plan, lay: Layout) -> Params:
-    """Per leaf: the mesh axes its gradient is a partial sum over, all-reduced by ``sync_grads``.
+def state_specs(cfg: vit_ref.ViTConfig, plan: Plan) -> Params:
+    """PartitionSpecs of the optimizer state's param-shaped leaves (``state_rules(plan)``)."""
+    return logical_specs(vit_ref.param_axes(cfg), state_rules(plan))
 
-    ``data`` for every leaf not split by FSDP (those reduce-scatter instead); the token axes for
-    every leaf used on token shards (all but the head, which sees pooled features) unless the
-    leaf is already split over that axis.
-    """
-    return sharded.grad_sync_axes(
-        param_specs(cfg, plan), lay.mesh, ("data",), lay.token_axes, TOKEN_FREE
+
+def zero_replicated(cfg: vit_ref.ViTConfig, plan: Plan) -> str | None:
+    """One sentence naming the leaves ZeRO-1/2 keep whole, with their optimizer state (those
+    with no embed dim for data to split: not an error, their state is small), or None."""
+    if plan.zero not in (1, 2):
+        return None
+    shapes = jax.eval_shape(lambda: vit_ref.init(jax.random.key(0), cfg))
+    names = jax.tree.leaves(vit_ref.param_axes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    whole, total = [], 0
+    for (path, shape), logical in zip(
+        jax.tree_util.tree_leaves_with_path(shapes), names, strict=True
+    ):
+        total += shape.size
+        if "embed" not in logical:
+            whole.append((sharded.leaf_path(path), shape.size))
+    if not whole:
+        return None
+    kept = sum(size for _, size in whole)
+    return (
+        f"ZeRO-{plan.zero} keeps {len(whole)} leaves whole on every device, with their "
+        f"optimizer state{' and gradients' if plan.zero == 2 else ''}, as they have no embed "
+        "dim for data to split: "
+        f"{', '.join(name for name, _ in whole)} ({kept:,} of {total:,} params, "
+        f"{kept / total:.1%})."
     )
 
 
@@ -351,10 +399,18 @@ def _block_local(
 
 
 def _encoder_local(
-    x: Array, blocks: Params, cfg: vit_ref.ViTConfig, plan: Plan, lay: Layout, gather: bool = True
+    x: Array,
+    blocks: Params,
+    cfg: vit_ref.ViTConfig,
+    plan: Plan,
+    lay: Layout,
+    gather: bool = True,
+    frags: Params | None = None,
 ) -> Array:
     """lax.scan over the stacked layers; FSDP gathers each layer's weights inside the body
-    (``gather=False``: the blocks are whole already, as a pipeline chunk's are)."""
+    (``gather=False``: the blocks are whole already, as a pipeline chunk's are). ZeRO-2: the
+    gradients go to ``frags`` (the blocks' slices), each layer's reduce-scattered in its own
+    backward step."""
     if gather:
         dims = sharded.gather_dims(param_specs(cfg, plan)["blocks"], "data", drop_leading=1)
     else:
@@ -363,14 +419,48 @@ def _encoder_local(
     if lay.megatron and lay.attention == "local" and lay.padded:  # attends over all tokens
         key_valid = jnp.arange(lay.padded_tokens) < lay.num_tokens
 
-    def body(x: Array, p_layer: Params) -> tuple[Array, None]:
+    zero_dims = sharded.gather_dims(state_specs(cfg, plan)["blocks"], "data", drop_leading=1)
+
+    def body(x: Array, layer: tuple[Params, Params | None]) -> tuple[Array, None]:
+        p_layer, f_layer = layer
         p_layer = dp.fsdp_gather(p_layer, dims)
+        if f_layer is not None:
+            p_layer = dp.zero_attach(p_layer, f_layer, zero_dims)
         return _block_local(x, p_layer, key_valid, cfg, lay), None
 
     if plan.remat:
         body = jax.checkpoint(body)
-    x, _ = jax.lax.scan(body, x, blocks)
+    x, _ = jax.lax.scan(body, x, (blocks, frags))
     return x
+
+
+def row_leaves(cfg: vit_ref.ViTConfig) -> tuple[str, ...]:
+    """The leaves indexed by token position: the learned position embedding (patch rows) and
+    with it the class token (row 0 under ``pool="tok"``). Split over token shards, their
+    gradients are disjoint row slices, not partial sums (``_sync_rows``). A fixed sincos2d
+    embedding leaves the class token alone: one row, all-reduced with the rest."""
+    if cfg.posemb != "learn":
+        return ()
+    return ("cls", "pos_embedding") if cfg.pool == "tok" else ("pos_embedding",)
+
+
+def _own_rows(grads: Params, cfg: vit_ref.ViTConfig, lay: Layout) -> Array:
+    """rows[t_S, D]: this token shard's rows of the token-indexed gradient (class token, then
+    one row per patch, padded to T'); every other row of ``grads`` is zero here."""
+    rows = grads["pos_embedding"][0]
+    if cfg.pool == "tok":
+        rows = jnp.concatenate([grads["cls"][0], rows], axis=0)
+    rows = jnp.pad(rows, ((0, lay.padded_tokens - lay.num_tokens), (0, 0)))
+    start = jax.lax.axis_index(lay.token_axes) * lay.local_tokens
+    return jax.lax.dynamic_slice_in_dim(rows, start, lay.local_tokens, axis=0)
+
+
+def _from_rows(rows: Array, cfg: vit_ref.ViTConfig, lay: Layout) -> Params:
+    """{cls, pos_embedding} gradients from the gathered rows[T', D]."""
+    rows = rows[None, : lay.num_tokens]
+    if cfg.pool == "tok":
+        return {"cls": rows[:, :1], "pos_embedding": rows[:, 1:]}
+    return {"pos_embedding": rows}
 
 
 def _pool_local(x: Array, cfg: vit_ref.ViTConfig, lay: Layout) -> Array:
@@ -393,15 +483,30 @@ def _head_local(p: Params, x: Array, cfg: vit_ref.ViTConfig, lay: Layout) -> Arr
 
 
 def _logits_local(
-    params: Params, images: Array, cfg: vit_ref.ViTConfig, plan: Plan, lay: Layout
+    params: Params,
+    images: Array,
+    cfg: vit_ref.ViTConfig,
+    plan: Plan,
+    lay: Layout,
+    frags: Params | None = None,
 ) -> Array:
-    """logits[B_data, O] from local params (FSDP fragments gathered here) and local images."""
+    """logits[B_data, O] from local params (FSDP fragments gathered here) and local images;
+    ZeRO-2 (``frags``, the params' slices): their gradients go to ``frags``."""
+    outer, frag_outer = _split_blocks(params), _split_blocks(frags)
     specs = param_specs(cfg, plan)
-    outer = {k: v for k, v in params.items() if k != "blocks"}
     outer = dp.fsdp_gather(outer, sharded.gather_dims({k: specs[k] for k in outer}, "data"))
+    if frag_outer is not None:
+        zero = state_specs(cfg, plan)
+        dims = sharded.gather_dims({k: zero[k] for k in outer}, "data")
+        outer = dp.zero_attach(outer, frag_outer, dims)
     x = _embed_local(outer, images, cfg, lay)
-    x = _encoder_local(x, params["blocks"], cfg, plan, lay)
+    x = _encoder_local(x, params["blocks"], cfg, plan, lay, frags=frags and frags["blocks"])
     return _head_local(outer, x, cfg, lay)
+
+
+def _split_blocks(params: Params | None) -> Params | None:
+    """The leaves outside the layer stack (embedding, norms, head)."""
+    return None if params is None else {k: v for k, v in params.items() if k != "blocks"}
 
 
 # ----------------------------------------------------------------------------- pipeline
@@ -462,22 +567,27 @@ class ShardedViT(sharded.ShardedModel):
         super().__init__(
             self.layout.mesh,
             vit_ref.param_axes(cfg),
-            rules(plan),
+            state_rules(plan),
             self._loss_local,
             batch_specs=(self.batch_spec, self.batch_spec),
             token_axes=self.layout.token_axes,
             token_free=TOKEN_FREE,
             gather=False,  # one layer at a time, inside the scan
+            zero=plan.zero or 3,  # no rule splits over data below ZeRO-1
         )
 
     def __repr__(self) -> str:
-        pp = "" if self.plan.pp == "none" else (
-            f", pp={self.plan.pp!r}, microbatches={self.plan.microbatches}, "
-            f"virtual={self.plan.virtual}"
+        pp = (
+            ""
+            if self.plan.pp == "none"
+            else (
+                f", pp={self.plan.pp!r}, microbatches={self.plan.microbatches}, "
+                f"virtual={self.plan.virtual}"
+            )
         )
         return (
             f"ShardedViT(mesh={format_mesh(self.plan.mesh)}, sp={self.plan.sp!r}, "
-            f"fsdp={self.plan.fsdp}, remat={self.plan.remat}{pp})"
+            f"zero={self.plan.zero}, remat={self.plan.remat}{pp})"
         )
 
     @property
@@ -515,12 +625,36 @@ class ShardedViT(sharded.ShardedModel):
 
         return jax.jit(self.shard_map(body, (self.specs, self.batch_spec), self.batch_spec))
 
-    def _loss_local(self, params: Params, images: Array, labels: Array) -> Array:
+    def _loss_local(
+        self, params: Params, images: Array, labels: Array, frags: Params | None = None
+    ) -> Array:
         """This device's share of the mean cross-entropy: its images' sum / the global batch."""
         global_batch = images.shape[0] * self.mesh.shape["data"]
-        logits = _logits_local(params, images, self.cfg, self.plan, self.layout)
+        logits = _logits_local(params, images, self.cfg, self.plan, self.layout, frags)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
         return ce.sum() / global_batch
+
+    def zero2_loss_local(self, frags: Params, params: Params, *batch: Array) -> Array:
+        """ZeRO-2: each layer's gradients reduce-scattered in its own backward step."""
+        return self._loss_local(params, *batch, frags=frags)
+
+    def sync_grads_local(self, grads: Params) -> Params:
+        """``sync_grads``, except the token-indexed leaves (``row_leaves``) over the token
+        axes: each shard's rows are its own, so an all-gather of the row slices is their whole
+        sum, (n−1)/n·T'·d·w instead of an all-reduce's 2(n−1)/n·T·d·w. The slices are
+        all-reduced over data first (where it applies), in the step-end bucket."""
+        rows = row_leaves(self.cfg) if self.layout.token_axes else ()
+        if not rows:
+            return super().sync_grads_local(grads)
+        token_axes = self.layout.token_axes
+        rest = {k: v for k, v in grads.items() if k not in rows}
+        axes = {k: self.sync_axes[k] for k in rest}
+        own = tuple(a for a in self.sync_axes["pos_embedding"] if a not in token_axes)
+        synced = dp.sync_grads({**rest, "rows": _own_rows(grads, self.cfg, self.layout)},
+                               {**axes, "rows": own})  # fmt: skip
+        # The token rows never overlap: gathering them sums them, and makes them invariant.
+        whole = all_gather(synced.pop("rows"), token_axes, tiled=True, to="invarying")
+        return {**synced, **_from_rows(whole, self.cfg, self.layout)}
 
     # ------------------------------------------------------------------------- pipeline
 
@@ -551,9 +685,7 @@ class ShardedViT(sharded.ShardedModel):
             return ce.sum() / global_batch
 
         dims = self.gather_dims()
-        whole, scatter = jax.vjp(
-            lambda p: dp.fsdp_gather(p, dims), dp.vary(params, self.sync_axes)
-        )
+        whole, scatter = jax.vjp(lambda p: dp.fsdp_gather(p, dims), dp.vary(params, self.vary_axes))
         embed_p, head_p = _split_outer(whole)
         loss, d_chunks, d_embed, d_head = pl.pipeline_grads(
             schedule(plan),
@@ -566,9 +698,7 @@ class ShardedViT(sharded.ShardedModel):
         d_blocks = jax.tree.map(lambda g, w: g.reshape(w.shape), d_chunks, whole["blocks"])
         d_whole = {**d_embed, **d_head, "blocks": d_blocks}
         (grads,) = scatter(jax.tree.map(_typed_like, {k: d_whole[k] for k in whole}, whole))
-        grads = dp.sync_grads(grads, self.sync_axes)
-        axes = tuple(a for a in self.mesh.axis_names if a in dp.varying_axes(loss))
-        return (jax.lax.psum(loss, axes) if axes else loss), grads
+        return self.total_loss(loss), self.finish_grads(grads)
 
     def _pipeline_logits_local(self, params: Params, images: Array) -> Array:
         """logits[B_data, O]: the schedule's forwards alone (``pipeline.pipeline_forward``)."""

@@ -1,11 +1,11 @@
 """Model-agnostic primitives for ``shard_map`` bodies: they know no model.
 
-  collectives  documented wrappers; ring / bidirectional versions built only from ppermute
-  tensor       column / row-parallel dense, head-split attention, the TP MLP, Megatron f / g
-  sequence     ring attention, Ulysses, USP (bidirectional or causal); token padding and masks
-               (ring: the ring itself; blockwise: the block math and attention_local)
-  layouts      token layouts over a seq axis (contiguous, zigzag, striped) and their permutations
-  data         gradient sync, gradient norms, FSDP gather, ZeRO-1
-  schedules    pipeline schedules as data (GPipe, 1F1B, interleaved, ZB-H1)
-  pipeline     the engine that runs any schedule over a stage axis
+collectives  documented wrappers; ring / bidirectional versions built only from ppermute
+tensor       column / row-parallel dense, head-split attention, the TP MLP, Megatron f / g
+sequence     ring attention, Ulysses, USP (bidirectional or causal); token padding and masks
+             (ring: the ring itself; blockwise: the block math and attention_local)
+layouts      token layouts over a seq axis (contiguous, zigzag, striped) and their permutations
+data         gradient sync, gradient norms, FSDP gather, ZeRO-1/2
+schedules    pipeline schedules as data (GPipe, 1F1B, interleaved, ZB-H1)
+pipeline     the engine that runs any schedule over a stage axis
 """

@@ -151,7 +151,9 @@ def all_reduce(x: jax.Array, axis: Axis) -> jax.Array:
 
 
 @shard_map_primitive
-def all_gather(x: jax.Array, axis: Axis, *, axis_dim: int = 0, tiled: bool = False) -> jax.Array:
+def all_gather(
+    x: jax.Array, axis: Axis, *, axis_dim: int = 0, tiled: bool = False, to: str = "varying"
+) -> jax.Array:
     """Gathers the blocks of x from every device of ``axis``: ``x[I_X, J] -> x[I, J]``.
 
     Args:
@@ -160,11 +162,13 @@ def all_gather(x: jax.Array, axis: Axis, *, axis_dim: int = 0, tiled: bool = Fal
       axis_dim: with ``tiled``, the dim the blocks are concatenated along; without, where a new
         dim of size n is inserted (blocks stacked in device order).
       tiled: concatenate instead of stack.
+      to: the result's type over X: "varying" (like its input; backward a reduce-scatter of
+        the cotangent), or "invarying" (every device provably holds the same result, as after
+        ZeRO's update; it then leaves ``shard_map`` replicated over X).
 
-    Returns the gathered array, varying over X (like its input). Ring cost: (n-1)/n · V for an
-    output of V bytes. Backward: a reduce-scatter of the cotangent.
+    Ring cost: (n-1)/n · V for an output of V bytes.
     """
-    return jax.lax.all_gather(x, axis, axis=axis_dim, tiled=tiled)
+    return jax.lax.all_gather(x, axis, axis=axis_dim, tiled=tiled, to=to)
 
 
 @shard_map_primitive

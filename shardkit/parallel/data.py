@@ -1,4 +1,4 @@
-"""Data parallelism over ``data``: batch sharding, gradient sync, ZeRO-1 and FSDP (ZeRO-3).
+"""Data parallelism over ``data``: batch sharding, gradient sync, ZeRO-1/2 and FSDP (ZeRO-3).
 
 Primitives for ``shard_map`` bodies (plus spec helpers for outside). Where each collective
 comes from, for a param ``w`` used on a batch split ``x[B_data, ...]``:
@@ -14,14 +14,15 @@ comes from, for a param ``w`` used on a batch split ``x[B_data, ...]``:
   gradient (``dw{U_data} -> dw[D_data]``), so gradients arrive already split: AG + RS instead of
   an all-reduce. Under ``jax.checkpoint`` the gathered weights are not kept for backward but
   gathered again (AG + AG + RS).
-* ZeRO-1: ``w`` replicated, optimizer state split; ``zero1_update`` reduce-scatters the
-  gradient, updates this device's slice, and all-gathers the new params (the same bytes as one
-  all-reduce).
+* ZeRO-1: ``w`` replicated, optimizer state split; ``zero_scatter`` reduce-scatters the
+  gradients once backward is done, ``zero_update`` updates this device's slice and all-gathers
+  the new params (the same bytes as one all-reduce; ``zero1_update`` is both).
+* ZeRO-2: as ZeRO-1, but ``zero_attach`` reduce-scatters each gradient where backward makes it
+  (per layer inside a scan), so the gradients are never all whole at once.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -125,22 +126,39 @@ def fsdp_gather(
     Cost: (n−1)/n · the gathered bytes forward, the same backward.
     """
     leaves, treedef = jax.tree.flatten(tree)
-    dims = jax.tree.leaves(dims_tree, is_leaf=lambda x: x is None)
-    if len(dims) != len(leaves):
-        raise ValueError(f"dims_tree has {len(dims)} leaves, the params {len(leaves)}.")
-    out = list(leaves)
+    dims = _dims(dims_tree, leaves)
     if not bucket:
+        out = list(leaves)
         for i, (x, dim) in enumerate(zip(leaves, dims, strict=True)):
             if dim is not None:  # FSDP: materialise the whole weight just before it is used.
                 out[i] = all_gather(x, axis, axis_dim=dim, tiled=True)
         return jax.tree.unflatten(treedef, out)
+    return jax.tree.unflatten(treedef, _bucket_gather(leaves, dims, axis, "varying"))
+
+
+def _dims(dims_tree: PyTree, leaves: list[Array]) -> list[int | None]:
+    dims = jax.tree.leaves(dims_tree, is_leaf=lambda x: x is None)
+    if len(dims) != len(leaves):
+        raise ValueError(f"dims_tree has {len(dims)} leaves, the params {len(leaves)}.")
+    return dims
+
+
+def _buckets(leaves: Sequence[Array], dims: Sequence[int | None]) -> list[list[int]]:
+    """Indices of the split leaves grouped by (dtype, varying axes): one flat buffer each."""
     groups: dict[tuple[Any, frozenset[str]], list[int]] = defaultdict(list)
     for i, (x, dim) in enumerate(zip(leaves, dims, strict=True)):
         if dim is not None:
             groups[(x.dtype, varying_axes(x))].append(i)
-    for members in groups.values():
+    return list(groups.values())
+
+
+def _bucket_gather(leaves: list[Array], dims: list[int | None], axis: str, to: str) -> list[Array]:
+    """``w[D_X] -> w[D]`` for every split leaf, one all-gather per bucket."""
+    out = list(leaves)
+    for members in _buckets(leaves, dims):
         flat = [jnp.moveaxis(leaves[i], dims[i], 0).reshape(-1) for i in members]
-        gathered = all_gather(jnp.concatenate(flat), axis)  # [n, Σ sizes]
+        # FSDP / ZeRO: one flat buffer of every fragment in the bucket, gathered once.
+        gathered = all_gather(jnp.concatenate(flat), axis, to=to)  # [n, Σ sizes]
         offset = 0
         for i, piece in zip(members, flat, strict=True):
             x, dim = leaves[i], dims[i]
@@ -148,7 +166,122 @@ def fsdp_gather(
             block = gathered[:, offset : offset + piece.size].reshape(-1, *moved[1:])
             out[i] = jnp.moveaxis(block, 0, dim)  # device-major blocks along the split dim
             offset += piece.size
+    return out
+
+
+@shard_map_primitive
+def zero_scatter(grads: PyTree, dims_tree: PyTree, axis: str = "data") -> PyTree:
+    """Reduce-scatters each split leaf's gradient: ``dw[D]{U_X} -> dw[D_X]``, in buckets.
+
+    The exact transpose of ``fsdp_gather``'s bucketed all-gather (ZeRO-1's and ZeRO-2's
+    gradient reduction): each gradient is cut into n blocks along its dim, the blocks are laid
+    out device-major in one flat [n, Σ] buffer per bucket, and ONE reduce-scatter leaves
+    device k the sum of row k. Leaves whose dim is None pass through unchanged.
+    Cost: (n−1)/n · the full gradient bytes.
+    """
+    leaves, treedef = jax.tree.flatten(grads)
+    dims = _dims(dims_tree, leaves)
+    n = jax.lax.axis_size(axis)
+    out = list(leaves)
+    for members in _buckets(leaves, dims):
+        rows = []
+        for i in members:
+            moved = jnp.moveaxis(leaves[i], dims[i], 0)
+            rows.append(moved.reshape(n, -1))  # row k: the block device k keeps
+        # ZeRO: each device needs only the summed gradient of the slice it updates.
+        summed = reduce_scatter(jnp.concatenate(rows, axis=1), axis)  # [Σ / n]
+        offset = 0
+        for i, row in zip(members, rows, strict=True):
+            g, dim = leaves[i], dims[i]
+            moved = jnp.moveaxis(g, dim, 0).shape
+            block = summed[offset : offset + row.shape[1]].reshape(-1, *moved[1:])
+            out[i] = jnp.moveaxis(block, 0, dim)
+            offset += row.shape[1]
     return jax.tree.unflatten(treedef, out)
+
+
+@shard_map_primitive
+def zero_slices(tree: PyTree, dims_tree: PyTree, axis: str = "data") -> PyTree:
+    """This device's slice of each split leaf, ``w[D] -> w[D_X]`` (no communication); leaves
+    whose dim is None are returned whole."""
+    n, idx = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+
+    def local(w: Array, dim: int | None) -> Array:
+        if dim is None:
+            return w
+        size = w.shape[dim] // n
+        if axis not in varying_axes(w):
+            w = jax.lax.pcast(w, axis, to="varying")
+        return jax.lax.dynamic_slice_in_dim(w, idx * size, size, dim)
+
+    return jax.tree.map(local, tree, dims_tree, is_leaf=lambda x: x is None)
+
+
+@shard_map_primitive
+def zero_attach(full: PyTree, frags: PyTree, dims_tree: PyTree, axis: str = "data") -> PyTree:
+    """ZeRO-2's hook: returns ``full`` (use it in the forward); its gradient goes to ``frags``,
+    reduce-scattered where backward makes it: ``dw[D]{U_X} -> dw[D_X]``.
+
+    Differentiate with respect to ``frags`` (``zero_slices(full, dims)``; only their shapes
+    matter), with ``full`` cast varying over ``axis`` (``vary``) so its cotangent arrives
+    unreduced. Inside a ``lax.scan`` body this reduce-scatters each layer's gradients in that
+    layer's backward step, so the stacked gradients the scan returns are already 1/n: the
+    whole gradient of one layer is alive at a time, never all of them (the memory ZeRO-2
+    saves over ZeRO-1). Leaves whose dim is None are passed as ``frags`` whole and returned.
+    """
+    full_leaves, treedef = jax.tree.flatten(full)
+    frag_leaves = jax.tree.leaves(frags)
+    dims = _dims(dims_tree, full_leaves)
+    split = [i for i, d in enumerate(dims) if d is not None]
+    split_dims = [dims[i] for i in split]
+
+    @jax.custom_vjp
+    def attach(fulls: list[Array], _frags: list[Array]) -> list[Array]:
+        return fulls
+
+    def fwd(fulls: list[Array], _frags: list[Array]) -> tuple[list[Array], None]:
+        return fulls, None
+
+    def bwd(_: None, cotangents: list[Array]) -> tuple[None, list[Array]]:
+        return None, zero_scatter(list(cotangents), split_dims, axis)
+
+    attach.defvjp(fwd, bwd)
+    used = attach([full_leaves[i] for i in split], [frag_leaves[i] for i in split])
+    out = list(frag_leaves)
+    for i, w in zip(split, used, strict=True):
+        out[i] = w
+    return jax.tree.unflatten(treedef, out)
+
+
+@shard_map_primitive
+def zero_update(
+    optimizer: optax.GradientTransformation,
+    grads_frag: PyTree,
+    opt_state_frag: Any,
+    params: PyTree,
+    dims_tree: PyTree,
+    axis: str = "data",
+) -> tuple[PyTree, Any]:
+    """ZeRO's update: the local slice with the local state, then the params all-gathered.
+
+    ``w[D] -> w[D_X]`` (a slice, free); ``update(dw[D_X], state[D_X], w[D_X])``;
+    ``w[D_X] --AllGather--> w[D]``, one all-gather per bucket, typed invariant (the params
+    leave ``shard_map`` replicated). Leaves whose dim is None are updated whole (their
+    gradients synced, their state replicated).
+
+    Args:
+      optimizer: an elementwise optax transformation (e.g. AdamW; no global norms: clip with
+        ``global_norm`` and ``clip_by_norm`` first).
+      grads_frag: synced gradients, each split leaf already reduce-scattered (``zero_scatter``).
+      opt_state_frag: this device's optimizer-state slice, split like ``dims_tree``.
+      params: replicated params.
+      dims_tree: the split dim of each leaf (or None).
+    """
+    w_frag = zero_slices(params, dims_tree, axis)
+    w_frag, opt_state_frag = optax_update(optimizer, grads_frag, opt_state_frag, w_frag)
+    leaves, treedef = jax.tree.flatten(w_frag)
+    gathered = _bucket_gather(leaves, _dims(dims_tree, leaves), axis, "invarying")
+    return jax.tree.unflatten(treedef, gathered), opt_state_frag
 
 
 @shard_map_primitive
@@ -162,40 +295,20 @@ def zero1_update(
 ) -> tuple[PyTree, Any]:
     """ZeRO-1 step inside ``shard_map``: optimizer state split over ``axis``, params replicated.
 
-    ``dw{U_data} --ReduceScatter--> dw[D_data]``; update the local slice with the local state
-    ``state[D_data]``; ``w[D_data] --AllGather--> w[D]``. Leaves whose dim is None are
-    all-reduced and updated whole (their state is replicated).
+    ``dw{U_data} --ReduceScatter--> dw[D_data]`` (``zero_scatter``); the leaves whose dim is
+    None are all-reduced whole; then ``zero_update``. Two collectives per bucket, the bytes of
+    one all-reduce: (n−1)/n·P·w + (n−1)/n·P·w.
 
     Args:
-      optimizer: an elementwise optax transformation (e.g. AdamW; no global norms).
       grads: per-device partial gradients (varying over ``axis``), like ``params``.
-      opt_state_frag: this device's optimizer-state slice, split like ``dims_tree``.
-      params: replicated params.
-      dims_tree: the split dim of each leaf (or None).
+      (the rest as ``zero_update``)
     """
-    n = jax.lax.axis_size(axis)
-    idx = jax.lax.axis_index(axis)
-
-    def local_grad(g: Array, dim: int | None) -> Array:
-        if dim is None:
-            return jax.lax.psum(g, axis)
-        # ZeRO-1: each device only needs the summed gradient of the slice it updates.
-        return reduce_scatter(g, axis, scatter_dim=dim, tiled=True)
-
-    def local_param(w: Array, dim: int | None) -> Array:
-        if dim is None:
-            return w
-        size = w.shape[dim] // n
-        return jax.lax.dynamic_slice_in_dim(
-            jax.lax.pcast(w, axis, to="varying"), idx * size, size, dim
-        )
-
     is_none = lambda x: x is None  # noqa: E731
-    g_frag = jax.tree.map(local_grad, grads, dims_tree, is_leaf=is_none)
-    w_frag = jax.tree.map(local_param, params, dims_tree, is_leaf=is_none)
-    w_frag, opt_state_frag = optax_update(optimizer, g_frag, opt_state_frag, w_frag)
-    gather = functools.partial(gather_invariant, axis=axis)
-    return jax.tree.map(gather, w_frag, dims_tree, is_leaf=is_none), opt_state_frag
+    whole = jax.tree.map(
+        lambda g, d: jax.lax.psum(g, axis) if d is None else g, grads, dims_tree, is_leaf=is_none
+    )
+    g_frag = zero_scatter(whole, dims_tree, axis)
+    return zero_update(optimizer, g_frag, opt_state_frag, params, dims_tree, axis)
 
 
 def optax_update(
@@ -206,13 +319,6 @@ def optax_update(
     with jax.numpy_dtype_promotion("standard"):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
-
-
-@shard_map_primitive
-def gather_invariant(x: Array, dim: int | None, axis: str = "data") -> Array:
-    """All-gather typed invariant (every device provably holds the same result) for ZeRO-1."""
-    # ZeRO-1: reassemble the updated params from every device's slice.
-    return x if dim is None else jax.lax.all_gather(x, axis, axis=dim, tiled=True, to="invarying")
 
 
 @shard_map_primitive

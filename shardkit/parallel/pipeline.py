@@ -385,9 +385,7 @@ class _Context:
     keep: tuple[int, ...]  # per vjp leaf: chunk param index, or −1 (stashed)
 
 
-def _tick_body(
-    ctx: _Context, send_x: bool, send_dy: bool, used: list[int]
-) -> Callable[..., Any]:
+def _tick_body(ctx: _Context, send_x: bool, send_dy: bool, used: list[int]) -> Callable[..., Any]:
     """One tick: store what arrived, run the branch (among ``used``, by ``branch_index``),
     send."""
     forward_pairs = _forward_pairs(ctx.schedule)
@@ -532,9 +530,7 @@ class ForwardTables:
 def forward_tables(schedule: Schedule) -> ForwardTables:
     """The forward-only tables of ``schedule`` (for inference: no stash, no cotangents)."""
     S, C = schedule.stages, schedule.chunks
-    rows = [
-        [a if a is not None and a.kind == "F" else None for a in row] for row in schedule.grid
-    ]
+    rows = [[a if a is not None and a.kind == "F" else None for a in row] for row in schedule.grid]
     rows = [row for row in rows if any(a is not None for a in row)]
     when = {
         (a.virtual * S + s, a.micro): t

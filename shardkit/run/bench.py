@@ -330,7 +330,7 @@ def format_table(result: dict[str, Any], markdown: bool = False) -> str:
 
 
 def _short_mesh(mesh: str) -> str:
-    """"data=4,seq=1,model=2" -> "data=4,model=2" (axes of size 1 left out)."""
+    """ "data=4,seq=1,model=2" -> "data=4,model=2" (axes of size 1 left out)."""
     return ",".join(p for p in mesh.split(",") if not p.endswith("=1")) or "1 device"
 
 

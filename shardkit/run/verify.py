@@ -84,6 +84,7 @@ class CaseResult:
             "mesh": format_mesh(self.plan.mesh),
             "sp": self.plan.sp,
             "fsdp": self.plan.fsdp,
+            "zero": self.plan.zero,
             "pp": self.plan.pp,
             "microbatches": self.plan.microbatches,
             "virtual": self.plan.virtual,
@@ -107,6 +108,8 @@ def default_matrix(devices: int = 8) -> list[Case]:
         Case("FSDP", Plan({"data": 8}, fsdp=True)),
         Case("FSDP×TP", Plan({"data": 4, "model": 2}, fsdp=True)),
         Case("FSDP remat", Plan({"data": 8}, fsdp=True, remat=True)),
+        Case("ZeRO-1×TP", Plan({"data": 4, "model": 2}, zero=1)),
+        Case("ZeRO-2×TP", Plan({"data": 4, "model": 2}, zero=2)),
         Case("Megatron-SP", Plan({"data": 2, "model": 4}, sp="megatron")),
         Case("ring", Plan({"data": 2, "seq": 4}, sp="ring")),
         Case("Ulysses", Plan({"data": 2, "seq": 4}, sp="ulysses")),
@@ -174,7 +177,7 @@ _COLUMNS = "{:<20} {:<28} {:<9} {:<5} {:<17} {:>8} {:>8} {:>8} {:>6} {:>10} {:>1
 
 def format_header() -> str:
     return _COLUMNS.format(
-        "case", "mesh", "sp", "fsdp", "pp", "logits", "grads", "step", "tol", "sent MB",
+        "case", "mesh", "sp", "zero", "pp", "logits", "grads", "step", "tol", "sent MB",
         "model MB", "ok",
     )  # fmt: skip
 
@@ -192,7 +195,7 @@ def format_row(r: CaseResult) -> str:
         r.name,
         format_mesh(r.plan.mesh),
         r.plan.sp,
-        "yes" if r.plan.fsdp else "no",
+        str(r.plan.zero),
         _pp(r.plan),
         f"{e['logits']:.1e}",
         f"{e['grads']:.1e}",
