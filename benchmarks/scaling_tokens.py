@@ -121,7 +121,7 @@ def main() -> None:
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         rows += measure(tokens, args.rounds)
-        for r in rows[-len(MODES):]:
+        for r in rows[-len(MODES) :]:
             print(f"T={r['tokens']:>6}  {r['mode']:<10}  {1e3 * r['step_s']:8.1f} ms  "
                   f"temp {r['temp_bytes'] / 2**20:8.1f} MiB  sent {r['bytes_sent'] / 1e6:7.2f} MB",
                   flush=True)  # fmt: skip

@@ -82,6 +82,7 @@ def logits_of(p, h):
 # --8<-- [start:twin]
 def twin_logits(p, x):
     """The unsharded GPT in plain jnp: x[B, T] token ids -> logits[B, T, V]."""
+
     def attention(h, a):
         q, k, v = (jnp.einsum("btd,dhk->bthk", h, a[n]["kernel"]) + a[n]["bias"]
                    for n in ("query", "key", "value"))  # fmt: skip
@@ -102,6 +103,8 @@ def twin_logits(p, x):
 
 def twin_loss(p, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(twin_logits(p, x), y).mean()
+
+
 # --8<-- [end:twin]
 
 
@@ -131,6 +134,8 @@ def sharded_gpt(mesh, layout, core="ring", fsdp=False):
     tokens, rules = P("data", "seq"), {**RULES, "embed": "data"} if fsdp else RULES
     return ShardedModel(mesh, param_axes(DIMS["layers"]), rules, loss_local,
                         batch_specs=(tokens, tokens), token_axes=("seq",))  # fmt: skip
+
+
 # --8<-- [end:sharded]
 
 

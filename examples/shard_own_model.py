@@ -73,6 +73,7 @@ def norm(x, scale):
 
 def twin_loss(p, x, y):
     """The unsharded model in plain jnp: mean squared error of every token's prediction."""
+
     def attention(h, a):
         q, k, v = (jnp.einsum("btd,dhk->bthk", h, a[n]["kernel"]) + a[n]["bias"]
                    for n in ("query", "key", "value"))  # fmt: skip
@@ -86,6 +87,8 @@ def twin_loss(p, x, y):
 
     h, _ = jax.lax.scan(block, x @ p["embed"]["kernel"] + p["embed"]["bias"], p["blocks"])
     return jnp.mean((h @ p["readout"]["kernel"] + p["readout"]["bias"] - y) ** 2)
+
+
 # --8<-- [end:twin]
 
 
@@ -110,6 +113,8 @@ def sharded_model(mesh):
     tokens = P("data", "seq")  # batch over data, tokens over seq
     return ShardedModel(mesh, param_axes(DIMS["layers"]), RULES, loss_local,
                         batch_specs=(tokens, tokens), token_axes=("seq",))  # fmt: skip
+
+
 # --8<-- [end:sharded]
 
 
@@ -130,6 +135,8 @@ def expected_collectives(mesh, batch, tokens, dim, heads, layers, local_params):
         size = (local_params + 1) * 4
         out.append(contract.all_reduce(sync, size, n_data * n_seq, 1, "gradients + loss"))
     return out
+
+
 # --8<-- [end:contract]
 
 
@@ -176,6 +183,8 @@ def main() -> None:
         if i in (0, args.steps - 1):
             print(f"step {i + 1:4d}  loss {float(metrics['loss']):.4f}")
     print(f"(predicting 0 everywhere: loss {float(jnp.mean(y**2)):.4f})")
+
+
 # --8<-- [end:main]
 
 

@@ -48,15 +48,19 @@ def loss_twin(p, x, y):
 def loss_and_grads_sharded(mesh, batch):
     def body(p, x, y):  # x, y[B_data, T, D]; p per SPECS
         p = data.vary(p, SYNC)  # dw{U_data} stays unreduced until sync_grads
+
         def loss(p):
             out = tensor.mlp_tp(x, p, "model", jax.nn.gelu)  # one psum over model
             return jnp.sum((out - y) ** 2) / (batch * y.shape[1] * y.shape[2])
+
         value, grads = jax.value_and_grad(loss)(p)
         return jax.lax.psum(value, "data"), data.sync_grads(grads, SYNC)
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(SPECS, P("data"), P("data")),
                        out_specs=(P(), SPECS))  # fmt: skip
     return jax.jit(fn)
+
+
 # --8<-- [end:sharded]
 
 
@@ -67,6 +71,8 @@ def cases(draw):
     # Every axis size divides what it splits: the hidden width over model, the batch over data.
     shape = draw(testing.meshes_dividing({"data": [batch], "model": [f]}, max_devices=8))
     return shape, d, f, batch
+
+
 # --8<-- [end:meshes]
 
 

@@ -352,7 +352,7 @@ class ShardedModel:
     def zero2_loss_local(self, frags: PyTree, params: PyTree, *batch: Array) -> Array:
         """ZeRO-2's loss: ``loss_local`` on ``params`` whose gradients go to ``frags``,
         reduce-scattered once backward is done (override to attach them layer by layer)."""
-        attached = dp.zero_attach(params, frags, self.zero_dims, self.zero_axis)
+        attached = dp.zero_attach(params, frags, self.zero_dims, self.batch_axes[0])
         return self._loss_gathered(attached, *batch)
 
     def loss_and_grads_local(self, params: PyTree, *batch: Array) -> tuple[Array, PyTree]:
@@ -467,7 +467,7 @@ class ShardedModel:
             loss, grads, norm = self.clipped_grads_local(clip_norm, params, *batch)
             metrics = {"loss": loss, "grad_norm": norm}
         params, opt_state = dp.zero_update(
-            optimizer, grads, opt_state, params, self.zero_dims, self.zero_axis
+            optimizer, grads, opt_state, params, self.zero_dims, self.batch_axes[0]
         )
         return params, opt_state, metrics
 

@@ -492,7 +492,8 @@ def _logits_local(
 ) -> Array:
     """logits[B_data, O] from local params (FSDP fragments gathered here) and local images;
     ZeRO-2 (``frags``, the params' slices): their gradients go to ``frags``."""
-    outer, frag_outer = _split_blocks(params), _split_blocks(frags)
+    outer = _split_blocks(params)
+    frag_outer = None if frags is None else _split_blocks(frags)
     specs = param_specs(cfg, plan)
     outer = dp.fsdp_gather(outer, sharded.gather_dims({k: specs[k] for k in outer}, "data"))
     if frag_outer is not None:
@@ -504,9 +505,9 @@ def _logits_local(
     return _head_local(outer, x, cfg, lay)
 
 
-def _split_blocks(params: Params | None) -> Params | None:
+def _split_blocks(params: Params) -> Params:
     """The leaves outside the layer stack (embedding, norms, head)."""
-    return None if params is None else {k: v for k, v in params.items() if k != "blocks"}
+    return {k: v for k, v in params.items() if k != "blocks"}
 
 
 # ----------------------------------------------------------------------------- pipeline
@@ -636,7 +637,8 @@ class ShardedViT(sharded.ShardedModel):
 
     def zero2_loss_local(self, frags: Params, params: Params, *batch: Array) -> Array:
         """ZeRO-2: each layer's gradients reduce-scattered in its own backward step."""
-        return self._loss_local(params, *batch, frags=frags)
+        images, labels = batch
+        return self._loss_local(params, images, labels, frags=frags)
 
     def sync_grads_local(self, grads: Params) -> Params:
         """``sync_grads``, except the token-indexed leaves (``row_leaves``) over the token

@@ -143,12 +143,13 @@ def _dims(dims_tree: PyTree, leaves: list[Array]) -> list[int | None]:
     return dims
 
 
-def _buckets(leaves: Sequence[Array], dims: Sequence[int | None]) -> list[list[int]]:
-    """Indices of the split leaves grouped by (dtype, varying axes): one flat buffer each."""
-    groups: dict[tuple[Any, frozenset[str]], list[int]] = defaultdict(list)
+def _buckets(leaves: Sequence[Array], dims: Sequence[int | None]) -> list[list[tuple[int, int]]]:
+    """(index, split dim) of the split leaves grouped by (dtype, varying axes): one flat
+    buffer each."""
+    groups: dict[tuple[Any, frozenset[str]], list[tuple[int, int]]] = defaultdict(list)
     for i, (x, dim) in enumerate(zip(leaves, dims, strict=True)):
         if dim is not None:
-            groups[(x.dtype, varying_axes(x))].append(i)
+            groups[(x.dtype, varying_axes(x))].append((i, dim))
     return list(groups.values())
 
 
@@ -156,13 +157,12 @@ def _bucket_gather(leaves: list[Array], dims: list[int | None], axis: str, to: s
     """``w[D_X] -> w[D]`` for every split leaf, one all-gather per bucket."""
     out = list(leaves)
     for members in _buckets(leaves, dims):
-        flat = [jnp.moveaxis(leaves[i], dims[i], 0).reshape(-1) for i in members]
+        flat = [jnp.moveaxis(leaves[i], dim, 0).reshape(-1) for i, dim in members]
         # FSDP / ZeRO: one flat buffer of every fragment in the bucket, gathered once.
         gathered = all_gather(jnp.concatenate(flat), axis, to=to)  # [n, Σ sizes]
         offset = 0
-        for i, piece in zip(members, flat, strict=True):
-            x, dim = leaves[i], dims[i]
-            moved = jnp.moveaxis(x, dim, 0).shape
+        for (i, dim), piece in zip(members, flat, strict=True):
+            moved = jnp.moveaxis(leaves[i], dim, 0).shape
             block = gathered[:, offset : offset + piece.size].reshape(-1, *moved[1:])
             out[i] = jnp.moveaxis(block, 0, dim)  # device-major blocks along the split dim
             offset += piece.size
@@ -184,16 +184,13 @@ def zero_scatter(grads: PyTree, dims_tree: PyTree, axis: str = "data") -> PyTree
     n = jax.lax.axis_size(axis)
     out = list(leaves)
     for members in _buckets(leaves, dims):
-        rows = []
-        for i in members:
-            moved = jnp.moveaxis(leaves[i], dims[i], 0)
-            rows.append(moved.reshape(n, -1))  # row k: the block device k keeps
+        # row k of each: the block device k keeps
+        rows = [jnp.moveaxis(leaves[i], dim, 0).reshape(n, -1) for i, dim in members]
         # ZeRO: each device needs only the summed gradient of the slice it updates.
         summed = reduce_scatter(jnp.concatenate(rows, axis=1), axis)  # [Σ / n]
         offset = 0
-        for i, row in zip(members, rows, strict=True):
-            g, dim = leaves[i], dims[i]
-            moved = jnp.moveaxis(g, dim, 0).shape
+        for (i, dim), row in zip(members, rows, strict=True):
+            moved = jnp.moveaxis(leaves[i], dim, 0).shape
             block = summed[offset : offset + row.shape[1]].reshape(-1, *moved[1:])
             out[i] = jnp.moveaxis(block, 0, dim)
             offset += row.shape[1]
