@@ -1,4 +1,4 @@
-"""shardkit.data: gradient sync, FSDP gather and ZeRO-1 equal their unsharded twins.
+"""shardkit.data: gradient sync, FSDP gather, ZeRO-1 and ZeRO-2 equal their unsharded twins.
 
 Twins: the gradient of the same loss on the whole batch (``jax.grad`` outside any mesh) and one
 unsharded optax AdamW step. Collectives are checked where they are made: the lowered program
@@ -366,3 +366,63 @@ def test_zero1_step_equals_the_unsharded_adamw_step() -> None:
     one_way = (ZERO_N - 1) / ZERO_N * split_bytes
     for kind in ("reduce-scatter", "all-gather"):
         assert bytes_sent(step, params, state, x, kind=kind, mesh=mesh) == pytest.approx(one_way)
+
+
+ZERO2_LAYERS = {  # two stacked layers of h -> tanh(h @ kernel + bias) * scale
+    "kernel": np.stack([np.eye(8, dtype=np.float32) * 0.5, np.full((8, 8), 0.125, np.float32)]),
+    "bias": np.stack([np.linspace(-1, 1, 8, dtype=np.float32)] * 2),
+    "scale": np.stack([np.linspace(1, 2, 8, dtype=np.float32)] * 2),
+}
+ZERO2_DIMS = {"kernel": 0, "bias": 0, "scale": None}  # per layer: kernel [D_data, F], bias [F_data]
+
+
+def layer_stack_loss(x: jax.Array, layers: dict, attach: Any, batch: int) -> jax.Array:
+    """``attach(layer)`` -> the params the layer uses (identity for the reference)."""
+
+    def step(h: jax.Array, layer: Any) -> tuple[jax.Array, None]:
+        p = attach(layer)
+        return jnp.tanh(h @ p["kernel"] + p["bias"][None]) * p["scale"][None], None
+
+    h, _ = jax.lax.scan(step, x, layers)
+    return jnp.sum(jnp.sin(h)) / batch
+
+
+def test_zero2_gradient_arrives_reduce_scattered_inside_a_scan() -> None:
+    """ZeRO-2's hook in a two-layer scan: the gradient w.r.t. the fragments is this device's
+    slice of the whole-batch gradient (split leaves) or this device's partial sum (``scale``,
+    kept whole); one reduce-scatter per layer in backward and no all-reduce over data."""
+    _, x = fsdp_inputs()
+    mesh = mesh_of(ZERO_N)
+    batch = x.shape[0]
+
+    def frag_loss(frags: dict, full: dict, x_block: jax.Array) -> jax.Array:
+        full = dp.vary(full, {name: ("data",) for name in full})  # cotangents arrive unreduced
+        attach = lambda pair: dp.zero_attach(*pair, ZERO2_DIMS)  # noqa: E731
+        return layer_stack_loss(x_block, (full, frags), attach, batch)
+
+    def body(frags: dict, full: dict, x_block: jax.Array) -> dict:
+        # scale is kept whole: cast varying so its gradient stays this device's partial sum.
+        frags = dp.vary(frags, {"kernel": (), "bias": (), "scale": ("data",)})
+        return jax.grad(frag_loss)(frags, full, x_block)
+
+    frag_specs = {"kernel": P(None, "data"), "bias": P(None, "data"), "scale": P()}
+    grad_specs = {**frag_specs, "scale": P("data")}  # scale's partial sums, stacked over data
+    grad_fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(frag_specs, P(), P("data")),
+                      out_specs=grad_specs)
+    )  # fmt: skip
+    frags = jax.device_put(
+        ZERO2_LAYERS, jax.tree.map(lambda s: jax.NamedSharding(mesh, s), frag_specs)
+    )
+    got = grad_fn(frags, ZERO2_LAYERS, x)
+    want = jax.grad(lambda p: layer_stack_loss(x, p, lambda layer: layer, batch))(ZERO2_LAYERS)
+    for name in ("kernel", "bias"):
+        assert got[name].sharding.spec == P(None, "data")
+        np.testing.assert_allclose(got[name], want[name], rtol=TOL, atol=1e-7)
+    np.testing.assert_allclose(got["scale"].reshape(ZERO_N, 2, 8).sum(0), want["scale"], 1e-5)
+    led = ledger.measure(grad_fn, frags, ZERO2_LAYERS, x, mesh=mesh).summary()
+    rs = led[("reduce-scatter", ("data",))]
+    assert rs.count == 2  # one bucket per layer, made in that layer's backward step
+    split_bytes = ZERO2_LAYERS["kernel"].nbytes + ZERO2_LAYERS["bias"].nbytes
+    assert rs.bytes_sent == pytest.approx((ZERO_N - 1) / ZERO_N * split_bytes)
+    assert ("all-reduce", ("data",)) not in led

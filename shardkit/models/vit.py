@@ -437,8 +437,9 @@ def _encoder_local(
 def row_leaves(cfg: vit_ref.ViTConfig) -> tuple[str, ...]:
     """The leaves indexed by token position: the learned position embedding (patch rows) and
     with it the class token (row 0 under ``pool="tok"``). Split over token shards, their
-    gradients are disjoint row slices, not partial sums (``_sync_rows``). A fixed sincos2d
-    embedding leaves the class token alone: one row, all-reduced with the rest."""
+    gradients are disjoint row slices, not partial sums (``ShardedViT.sync_grads_local``).
+    A fixed sincos2d embedding leaves the class token alone: one row, all-reduced with the
+    rest."""
     if cfg.posemb != "learn":
         return ()
     return ("cls", "pos_embedding") if cfg.pool == "tok" else ("pos_embedding",)
