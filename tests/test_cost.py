@@ -112,10 +112,9 @@ def test_fsdp_without_remat_changes_only_the_token_row_bytes(plan, cfg):
     n_d, n_t, d = g.sizes["data"], g.shards, cfg.dim
     excess = 0.0
     if g.token_axes:
-        excess = (
-            2 * (n_d - 1) / n_d * (cfg.num_tokens - g.t) * d * W
-            - (n_t - 1) / n_t * g.padded_tokens * d * W * (1 - 1 / n_d)
-        )
+        excess = 2 * (n_d - 1) / n_d * (cfg.num_tokens - g.t) * d * W - (
+            n_t - 1
+        ) / n_t * g.padded_tokens * d * W * (1 - 1 / n_d)
     assert fsdp.total_bytes_sent() - plain.total_bytes_sent() == pytest.approx(excess)
 
 
