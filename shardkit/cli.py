@@ -92,7 +92,37 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--plot", metavar="FILE.png", help="draw the collective pattern here")
     _add_train_parser(sub)
     _add_bench_parser(sub)
+    _add_launch_parser(sub)
     return parser
+
+
+LAUNCHABLE = ("verify", "inspect", "train")
+
+
+def _add_launch_parser(sub: Any) -> None:
+    launch = sub.add_parser(
+        "launch",
+        help="run verify, inspect or train as P processes × D devices (jax.distributed)",
+        usage="shardkit launch --procs P --devices-per-proc D [options] -- SUBCOMMAND [flags]",
+    )
+    launch.add_argument("--procs", type=int, required=True, metavar="P", help="processes")
+    launch.add_argument(
+        "--devices-per-proc", type=int, required=True, metavar="D", help="CPU devices each"
+    )
+    launch.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 (default: free)")
+    launch.add_argument("--timeout", type=float, metavar="S", help="kill everything after S s")
+    launch.add_argument(
+        "--watchdog", type=float, default=600, metavar="S",
+        help="a process without progress for S s exits (600)",
+    )  # fmt: skip
+    launch.add_argument(
+        "--heartbeat", type=int, default=10, metavar="S",
+        help="a peer silent for S s is declared dead (10; processes started by hand)",
+    )  # fmt: skip
+    launch.add_argument(
+        "--log-dir", metavar="DIR", help="process-K.log files (default: a temp dir)"
+    )
+    launch.add_argument("subcommand", nargs=argparse.REMAINDER, help="-- then the subcommand")
 
 
 def _add_bench_parser(sub: Any) -> None:
@@ -128,6 +158,16 @@ def _add_train_parser(sub: Any) -> None:
     g.add_argument("--eval-every", type=int, default=d.eval_every, metavar="K")
     g.add_argument("--cache", metavar="DIR", help="compilation cache (default: user cache; none)")
     g.add_argument("--force", action="store_true", help="overwrite an existing run directory")
+    g = train.add_argument_group("checkpoints (orbax; DIR/checkpoints/<step>)")
+    g.add_argument(
+        "--checkpoint-every", type=int, metavar="K", help="save every K steps and at the end"
+    )
+    g.add_argument("--keep", type=int, default=3, metavar="N", help="keep the newest N (3)")
+    g.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue run DIR from its newest valid checkpoint (any plan)",
+    )
 
 
 def model_config(
@@ -190,15 +230,29 @@ def _mesh_devices(spec: str | None) -> int:
 
 
 def _setup_devices(n: int) -> None:
-    from shardkit.mesh import set_cpu_devices
+    """``n`` CPU devices in all: here, or over the processes the ``SHARDKIT_*`` variables name
+    (``shardkit launch`` sets them; DESIGN.md's ``mesh.PROCESS_ENV``), joined into one mesh.
+    Only process 0 prints to stdout."""
+    import os
+
+    from shardkit.mesh import Processes, set_cpu_devices
+    from shardkit.run.launch import start_watchdog
 
     if n < 1:
         raise UsageError(f"--devices must be positive, got {n}.")
-    set_cpu_devices(n)
+    procs = Processes.from_env()
+    if procs is None:
+        set_cpu_devices(n)
+        return
+    procs.join(n)
+    start_watchdog(procs.index)
+    if procs.index != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's lifetime)
 
 
 def run_verify(args: argparse.Namespace) -> int:
     from shardkit.run import verify
+    from shardkit.run.launch import beat
 
     _setup_devices(args.devices)
     cfg = model_config(args)
@@ -215,6 +269,7 @@ def run_verify(args: argparse.Namespace) -> int:
     results = []
     for case in cases:
         results.append(verify.run_case(cfg, case, args.batch))
+        beat()
         if not args.json:
             print(verify.format_row(results[-1]), flush=True)
     ok = all(r.ok for r in results)
@@ -298,20 +353,37 @@ def _train_setup(args: argparse.Namespace) -> tuple[Any, ...]:
     check_plan(cfg, plan, args.batch)
     _zero_notes(cfg, plan)
     datasets.Loader(ds.train_images, ds.train_labels, args.batch, args.seed)  # batch fits data
+    if args.resume:
+        if not pathlib.Path(args.resume).is_dir():
+            raise UsageError(f"--resume {args.resume}: no such run directory.")
+        args.out = args.out or args.resume
     out = pathlib.Path(args.out) if args.out else train.default_out_dir()
+    if args.checkpoint_every is not None and (args.checkpoint_every < 1 or args.keep < 1):
+        raise UsageError("--checkpoint-every and --keep must be positive.")
     return opts, cfg, plan, ds, out
 
 
 def run_train(args: argparse.Namespace) -> int:
+    import pathlib
+
     from shardkit.run import train
 
     cache = None if args.cache == "none" else args.cache or train.default_cache_dir()
     train.enable_cache(cache)  # before anything compiles
     opts, cfg, plan, ds, out = _train_setup(args)
-    train.prepare_out_dir(out, args.force)
+    import jax
+
+    resume = pathlib.Path(args.resume) if args.resume else None
+    continuing = resume is not None and out.resolve() == resume.resolve()
+    if jax.process_index() == 0 and not continuing:  # the one process that writes files
+        train.prepare_out_dir(out, args.force)
     extra = {"command": ["shardkit", *args.argv], "cache": cache}
+    checkpoints = None
+    if args.checkpoint_every is not None:
+        checkpoints = train.CheckpointOptions(args.checkpoint_every, args.keep)
     try:
-        last = train.train(cfg, plan, ds, opts, out, extra_config=extra)
+        last = train.train(cfg, plan, ds, opts, out, extra_config=extra,
+                           checkpoints=checkpoints, resume=resume)  # fmt: skip
     except train.TrainingDivergedError as err:
         print(f"shardkit: {err}", file=sys.stderr)
         return 1
@@ -368,18 +440,44 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_launch(args: argparse.Namespace) -> int:
+    """Checks the subcommand here (its flags, its device count), then runs it as P processes."""
+    from shardkit.run import launch
+
+    sub = args.subcommand[1:] if args.subcommand[:1] == ["--"] else args.subcommand
+    if not sub:
+        raise UsageError("launch needs a subcommand after --, e.g. -- verify --mesh data=8.")
+    if sub[0] not in LAUNCHABLE:
+        raise UsageError(f"launch runs {', '.join(LAUNCHABLE)}; not {sub[0]!r}.")
+    for name in ("procs", "devices_per_proc"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive.")
+    inner = build_parser().parse_args(sub)
+    devices = inner.devices or _mesh_devices(inner.mesh)
+    if devices != args.procs * args.devices_per_proc:
+        raise UsageError(
+            f"--procs {args.procs} × --devices-per-proc {args.devices_per_proc} = "
+            f"{args.procs * args.devices_per_proc} devices, but {sub[0]} uses {devices}."
+        )
+    return launch.launch(
+        sub, args.procs, port=args.port, timeout_s=args.timeout, log_dir=args.log_dir,
+        heartbeat_s=args.heartbeat, watchdog_s=args.watchdog,
+    )  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     commands = {
         "verify": run_verify,
         "inspect": run_inspect,
         "train": run_train,
         "bench": run_bench,
+        "launch": run_launch,
     }
     try:
         argv = list(sys.argv[1:] if argv is None else argv)
         args = build_parser().parse_args(argv)
         args.argv = argv
-        if args.devices is None:
+        if hasattr(args, "devices") and args.devices is None:
             args.devices = _mesh_devices(args.mesh)
         return commands[args.command](args)
     except (UsageError, ValueError) as err:  # PlanError, DataError, config errors: ValueErrors

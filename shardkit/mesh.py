@@ -9,12 +9,18 @@ Mesh axes (always these words, in this order):
 
 Any axis may have size 1. Meshes use ``AxisType.Auto`` so ``shard_map`` accepts arrays placed
 with plain ``NamedSharding``s.
+
+Several processes (``jax.distributed``, one controller per process, gloo collectives on CPU)
+form one global mesh: ``Processes.from_env`` reads the ``SHARDKIT_*`` variables that
+``shardkit launch`` sets (or a user sets by hand on each host), ``join`` starts the runtime, and
+``to_host`` brings a global array back to numpy on every process.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +50,80 @@ def set_cpu_devices(n: int) -> None:
                 f"Cannot create {n} CPU devices: the JAX backend already started with {have}; "
                 "call shardkit.set_cpu_devices before any other JAX call."
             ) from err
+
+
+PROCESS_ENV = {
+    "coordinator": "SHARDKIT_COORDINATOR",  # host:port of process 0's coordination service
+    "count": "SHARDKIT_NUM_PROCESSES",
+    "index": "SHARDKIT_PROCESS_ID",  # 0 .. count-1; process 0 hosts the coordinator
+    "heartbeat_s": "SHARDKIT_HEARTBEAT_S",  # optional: a silent peer is declared dead after this
+    "init_timeout_s": "SHARDKIT_INIT_TIMEOUT_S",  # optional: waiting for every process to join
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Processes:
+    """One process's place in a multi-controller run (``jax.distributed``)."""
+
+    coordinator: str
+    count: int
+    index: int
+    heartbeat_s: int = 10
+    init_timeout_s: int = 60
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> Processes | None:
+        """The ``SHARDKIT_*`` variables (``PROCESS_ENV``), or None when none is set."""
+        env = dict(os.environ if environ is None else environ)
+        given = {field: env[name] for field, name in PROCESS_ENV.items() if env.get(name)}
+        if not given:
+            return None
+        for field in ("coordinator", "count", "index"):
+            if field not in given:
+                raise PlanError(f"{PROCESS_ENV[field]} is not set; a multi-process run needs "
+                                f"{', '.join(list(PROCESS_ENV.values())[:3])}.")  # fmt: skip
+        values: dict[str, Any] = {"coordinator": given.pop("coordinator")}
+        for field, text in given.items():
+            if not text.isdigit():
+                raise PlanError(f"{PROCESS_ENV[field]}={text!r} is not a non-negative integer.")
+            values[field] = int(text)
+        procs = cls(**values)
+        if procs.count < 1 or not 0 <= procs.index < procs.count:
+            raise PlanError(f"{PROCESS_ENV['index']}={procs.index} is not in [0, "
+                            f"{PROCESS_ENV['count']}={procs.count}).")  # fmt: skip
+        return procs
+
+    def local_devices(self, total: int) -> int:
+        """Each process's CPU devices when the mesh has ``total`` (PlanError unless it divides)."""
+        if total % self.count:
+            raise PlanError(f"{total} devices cannot be split evenly over {self.count} processes.")
+        return total // self.count
+
+    def join(self, total_devices: int) -> None:
+        """``total_devices // count`` CPU devices here, then ``jax.distributed.initialize``:
+        blocks until every process joined (``init_timeout_s``) and from then on aborts this
+        process when a peer misses heartbeats for ``heartbeat_s``."""
+        set_cpu_devices(self.local_devices(total_devices))
+        jax.distributed.initialize(
+            self.coordinator,
+            num_processes=self.count,
+            process_id=self.index,
+            initialization_timeout=self.init_timeout_s,
+            heartbeat_timeout_seconds=self.heartbeat_s,
+        )
+
+
+def to_host(tree: Any) -> Any:
+    """Every leaf as a numpy array on every process: a leaf spread over several processes'
+    devices is gathered (``process_allgather``, a collective: call it on every process)."""
+    from jax.experimental import multihost_utils
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(leaf, tree)
 
 
 def parse_mesh(spec: str) -> dict[str, int]:

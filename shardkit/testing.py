@@ -30,7 +30,7 @@ import optax
 from hypothesis import strategies as st
 
 import vit_ref
-from shardkit.mesh import AXES, ZERO_LEVELS, Plan
+from shardkit.mesh import AXES, ZERO_LEVELS, Plan, to_host
 from shardkit.parallel.data import optax_update
 from shardkit.parallel.schedules import SCHEDULES
 
@@ -46,7 +46,11 @@ def _norm(x: Any) -> float:
 
 
 def tree_errors(actual: PyTree, expected: PyTree, floor: float = DEFAULT_FLOOR) -> dict[str, float]:
-    """Relative L2 error of every leaf, keyed by its path (e.g. ``['blocks']['mlp']...``)."""
+    """Relative L2 error of every leaf, keyed by its path (e.g. ``['blocks']['mlp']...``).
+
+    Leaves spread over several processes are gathered first (``to_host``): in a multi-process
+    run every process calls this and gets the same errors."""
+    actual, expected = to_host(actual), to_host(expected)
     exp_leaves = jax.tree_util.tree_leaves_with_path(expected)
     act_leaves = jax.tree.leaves(actual)
     if len(act_leaves) != len(exp_leaves):

@@ -297,8 +297,8 @@ def zero1_update(
     one all-reduce: (n−1)/n·P·w + (n−1)/n·P·w.
 
     Args:
-      grads: per-device partial gradients (varying over ``axis``), like ``params``.
-      (the rest as ``zero_update``)
+      grads: per-device partial gradients (varying over ``axis``), like ``params``; the other
+        arguments are ``zero_update``'s.
     """
     is_none = lambda x: x is None  # noqa: E731
     whole = jax.tree.map(

@@ -254,10 +254,16 @@ class Loader:
     def batches(
         self, start: int, stop: int, sharding: NamedSharding
     ) -> Iterator[tuple[jax.Array, ...]]:
-        """(images, labels) on the mesh, split per ``sharding``, for steps start..stop-1."""
+        """(images, labels) on the mesh, split per ``sharding``, for steps start..stop-1.
+
+        Each process reads only the rows its own devices hold (``local_rows``)."""
+        rows = local_rows(sharding, self.batch)
         for step in range(start, stop):
-            idx = self.indices(step)
-            yield place(sharding, self.images[idx], self.labels[idx])
+            idx = self.indices(step)[rows]
+            yield tuple(
+                jax.make_array_from_process_local_data(sharding, a[idx], (self.batch, *a.shape[1:]))
+                for a in (self.images, self.labels)
+            )
 
 
 def place(sharding: NamedSharding, *arrays: np.ndarray) -> tuple[jax.Array, ...]:

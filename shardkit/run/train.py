@@ -29,6 +29,7 @@ import math
 import os
 import pathlib
 import platform
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -42,8 +43,9 @@ import optax
 import vit_ref
 from shardkit.mesh import Plan, format_mesh
 from shardkit.models.vit import ShardedViT
-from shardkit.run import datasets
+from shardkit.run import checkpoint, datasets
 from shardkit.run.datasets import Dataset, Loader
+from shardkit.run.launch import beat
 
 RUN_FILES = ("metrics.jsonl", "config.json", "curves.png")
 TIMING_KEYS = ("images_per_s",)  # the only record values that depend on the machine's speed
@@ -135,6 +137,7 @@ def prepare_out_dir(out: pathlib.Path, force: bool) -> None:
             raise ValueError(f"--out {out} already holds files; pass --force to overwrite the run.")
         for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
 
 
@@ -205,16 +208,28 @@ def evaluate(
 
 @dataclasses.dataclass
 class Run:
-    """One training run's files and the records written so far."""
+    """One training run's files and the records written so far (``write``: False on every
+    process but 0 of a multi-process run, which keep the records in memory only)."""
 
     out: pathlib.Path
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    write: bool = True
 
     def write_config(self, config: dict[str, Any]) -> None:
-        (self.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if self.write:
+            (self.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    def start(self, records: list[dict[str, Any]]) -> None:
+        """A fresh ``metrics.jsonl`` holding ``records`` (a resumed run's past steps)."""
+        self.records = list(records)
+        if self.write:
+            lines = "".join(json.dumps(_finite_or_none(r)) + "\n" for r in records)
+            (self.out / "metrics.jsonl").write_text(lines)
 
     def append(self, record: dict[str, Any]) -> None:
         self.records.append(record)
+        if not self.write:
+            return
         with open(self.out / "metrics.jsonl", "a") as f:  # one whole line per record
             f.write(json.dumps(_finite_or_none(record)) + "\n")
 
@@ -239,6 +254,54 @@ def run_config(
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    """``--checkpoint-every K`` (and at the last step), keeping the newest ``--keep N``."""
+
+    every: int
+    keep: int = 3
+
+
+# The options that change what a step computes: a resumed run must have the checkpoint's.
+RUN_DEFINING = ("steps", "batch", "lr", "warmup", "clip", "weight_decay", "seed")
+
+
+def checkpoint_meta(step: int, model: ShardedViT, opts: TrainOptions, loader: Loader) -> dict:
+    """What a checkpoint records besides the arrays: where the run is and what it is."""
+    return {
+        "step": step,
+        "loader": {"next_batch": step, "epoch": loader.epoch(step), "seed": opts.seed},
+        "rng": {"seed": opts.seed, "note": "init and data order are functions of seed and step"},
+        "model": dataclasses.asdict(model.cfg),
+        "options": dataclasses.asdict(opts),
+        "plan": dataclasses.asdict(model.plan) | {"mesh": format_mesh(model.plan.mesh)},
+    }
+
+
+def resume_state(
+    directory: pathlib.Path, model: ShardedViT, opts: TrainOptions, state: dict[str, Any]
+) -> tuple[dict[str, Any], int, list[dict[str, Any]]]:
+    """(state placed under ``model``'s plan, its step, the run's records up to that step) from
+    the newest valid checkpoint of run directory ``directory``."""
+    where = directory / "checkpoints"
+    step = checkpoint.newest_valid(where)
+    meta = checkpoint.read_meta(where, step)
+    options = dataclasses.asdict(opts)
+    checkpoint.check_fits(
+        meta,
+        {"model": dataclasses.asdict(model.cfg), "options": {k: options[k] for k in RUN_DEFINING}},
+        where / str(step),
+    )
+    restored = checkpoint.restore(where, step, checkpoint.abstract_like(state))
+    if jax.process_index() == 0:
+        checkpoint.set_aside_after(where, step)  # this run writes those steps anew
+    metrics = directory / "metrics.jsonl"
+    records = []
+    if metrics.is_file():
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    return restored, step, [r for r in records if r["step"] <= step]
+
+
 def train(
     cfg: vit_ref.ViTConfig,
     plan: Plan,
@@ -248,68 +311,100 @@ def train(
     *,
     extra_config: dict[str, Any] | None = None,
     progress: bool = True,
+    checkpoints: CheckpointOptions | None = None,
+    resume: pathlib.Path | None = None,
 ) -> dict[str, Any]:
     """Trains ``cfg`` under ``plan`` on ``ds``; writes ``out``'s files; returns the last record.
 
+    ``checkpoints``: save ``out/checkpoints/<step>`` (``shardkit.run.checkpoint``). ``resume``:
+    continue the run in that directory from its newest valid checkpoint, under ``plan`` (any
+    plan: the arrays are re-placed); its records up to that step start ``out``'s metrics.
+
     Raises:
       TrainingDivergedError: the loss became non-finite (records up to that step are on disk).
+      CheckpointError: ``resume`` has no usable checkpoint of this model and these options.
     """
     model = ShardedViT(cfg, plan)
     model.check_batch(opts.batch)
+    lead = jax.process_index() == 0  # the one process that writes files and shows progress
     loader = Loader(ds.train_images, ds.train_labels, opts.batch, opts.seed)
     optimizer, _ = optimizers(opts)
     params = model.shard(vit_ref.init(jax.random.key(opts.seed), cfg))
-    opt_state = model.init_opt_state(optimizer, params)
-    run = Run(out)
+    state = {"params": params, "opt_state": model.init_opt_state(optimizer, params)}
+    start, records = 0, list[dict[str, Any]]()
+    if resume is not None:
+        state, start, records = resume_state(resume, model, opts, state)
+    run = Run(out, write=lead)
+    run.start(records)
     config = run_config(model, opts, ds, loader) | (extra_config or {})
+    if resume is not None:
+        config["resumed"] = {"from": str(resume), "step": start}
     run.write_config(config)
     step_fn, eval_step, config["compile_s"] = compile_steps(
-        model, opts, params, opt_state, optimizer
+        model, opts, state["params"], state["opt_state"], optimizer
     )
     run.write_config(config)
-    schedule = opts.schedule()
-    bar = _progress(opts.steps, progress)
-    accuracy = None
+    saver = checkpoints and checkpoint.Checkpointer(
+        out / "checkpoints", checkpoints.every, checkpoints.keep
+    )
+    bar = _progress(opts.steps, progress and lead, initial=start)
     try:
-        batches = loader.batches(0, opts.steps, model.sharding(model.batch_spec))
-        for step, (images, labels) in enumerate(batches):
-            t0 = time.perf_counter()
-            params, opt_state, metrics = step_fn(params, opt_state, images, labels)
-            loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
-            seconds = time.perf_counter() - t0
-            record = {
-                "step": step + 1,
-                "epoch": loader.epoch(step),
-                "loss": loss,
-                "lr": float(schedule(step)),
-                "grad_norm": grad_norm,
-                "images_per_s": opts.batch / seconds,
-            }
-            if not math.isfinite(loss):
+        batches = loader.batches(start, opts.steps, model.sharding(model.batch_spec))
+        for step, batch in enumerate(batches, start=start + 1):
+            params, opt_state, record = _train_step(step_fn, state, batch, opts, loader, step)
+            state = {"params": params, "opt_state": opt_state}
+            if not math.isfinite(record["loss"]):
                 run.append(record)
                 raise TrainingDivergedError(
-                    f"The loss became {loss} at step {step + 1}; stopped (records so far are in "
-                    f"{out / 'metrics.jsonl'})."
+                    f"The loss became {record['loss']} at step {step}; stopped (records so far "
+                    f"are in {out / 'metrics.jsonl'})."
                 )
-            if (step + 1) % opts.eval_every == 0 or step + 1 == opts.steps:
+            if step % opts.eval_every == 0 or step == opts.steps:
                 record |= evaluate(eval_step, params, ds, opts.batch, model)
             run.append(record)
-            accuracy = record.get("test_accuracy", accuracy)
-            _show(bar, record, accuracy)
+            if saver and (saver.due(step) or step == opts.steps):
+                saver.save(step, state, checkpoint_meta(step, model, opts, loader))
+            beat()
+            _show(bar, run.records)
     finally:
         bar.close()
-        plot_curves(run.records, out / "curves.png")
+        if saver:
+            saver.close()
+        if lead:
+            plot_curves(run.records, out / "curves.png")
     return run.records[-1]
 
 
-def _progress(total: int, enabled: bool) -> Any:
+def _train_step(
+    step_fn: Callable[..., Any], state: dict[str, Any], batch: tuple[jax.Array, ...],
+    opts: TrainOptions, loader: Loader, step: int,
+) -> tuple[Any, Any, dict[str, Any]]:  # fmt: skip
+    """One optimizer step (``step`` counts from 1) and its record."""
+    t0 = time.perf_counter()
+    params, opt_state, metrics = step_fn(state["params"], state["opt_state"], *batch)
+    loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+    record = {
+        "step": step,
+        "epoch": loader.epoch(step - 1),
+        "loss": loss,
+        "lr": float(opts.schedule()(step - 1)),
+        "grad_norm": grad_norm,
+        "images_per_s": opts.batch / (time.perf_counter() - t0),
+    }
+    return params, opt_state, record
+
+
+def _progress(total: int, enabled: bool, initial: int = 0) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, disable=not enabled, unit="step", file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", file=sys.stderr,
+                dynamic_ncols=True)  # fmt: skip
 
 
-def _show(bar: Any, record: dict[str, Any], accuracy: float | None) -> None:
+def _show(bar: Any, records: list[dict[str, Any]]) -> None:
+    record = records[-1]
     shown = {"loss": f"{record['loss']:.3f}", "img/s": f"{record['images_per_s']:.0f}"}
+    accuracy = next((r["test_accuracy"] for r in reversed(records) if "test_accuracy" in r), None)
     if accuracy is not None:
         shown["test_acc"] = f"{accuracy:.3f}"
     bar.set_postfix(shown, refresh=False)

@@ -1,0 +1,246 @@
+"""``shardkit launch``: P processes × D CPU devices as one global mesh, and their faults.
+
+Two halves, one per side of the process boundary:
+
+The parent (``launch``) never touches a JAX backend. It picks a free port on 127.0.0.1, starts
+P children ``python -m shardkit.cli <subcommand> ...``, each in its own session (so a terminal's
+Ctrl-C reaches only the parent) with the ``SHARDKIT_*`` variables of ``mesh.PROCESS_ENV``, and
+streams process 0's output: stdout line by line without gloo's connection chatter (which gloo
+prints there), so ``--json`` stays one parseable line; stderr as it comes (progress bars). The
+others' output goes to ``LOG_DIR/process-K.log``. It polls the children: when one ends with a
+non-zero status, it SIGKILLs the rest at once (DESIGN.md: SIGTERM is ignored after
+``jax.distributed.initialize``), names the one that failed, prints the tail of its log and
+returns its status. Ctrl-C or ``--timeout`` end every child the same way. Nothing outlives
+``launch``.
+
+The child side (``start_watchdog``, ``beat``): a process blocked in a collective waits forever
+for a peer that hangs outside one (alive, so its heartbeats continue). ``beat()`` marks
+progress (a train step, a verify case); a daemon thread ends the process (``os._exit``) with one
+line when no beat came for ``SHARDKIT_WATCHDOG_S`` seconds, which makes ``launch`` end the rest.
+A peer that dies is caught sooner: by ``launch`` at its next poll (0.1 s), or, for processes
+started by hand, by the coordination service after ``SHARDKIT_HEARTBEAT_S`` missed seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO
+
+from shardkit.mesh import PROCESS_ENV
+
+WATCHDOG_ENV = "SHARDKIT_WATCHDOG_S"
+LAUNCH_ID_ENV = "SHARDKIT_LAUNCH_ID"  # marks every child of one launch (tests count them)
+POLL_S = 0.1
+NOISE = ("[Gloo] Rank",)  # gloo's per-connection lines (on stdout)
+WATCHDOG_STATUS = 3
+
+
+class LaunchError(ValueError):
+    """A launch that cannot start (bad counts, a port in use): one sentence."""
+
+
+# ----------------------------------------------------------------------------- the parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def check_port(port: int) -> None:
+    """LaunchError unless ``port`` on 127.0.0.1 can be bound now (the coordinator's)."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as err:
+            raise LaunchError(f"--port {port} is not free on 127.0.0.1 ({err.strerror}).") from err
+
+
+def child_env(procs: int, index: int, port: int, heartbeat_s: int, watchdog_s: float,
+              launch_id: str) -> dict[str, str]:  # fmt: skip
+    """The environment of child ``index``: these variables are all a by-hand start needs."""
+    return os.environ | {
+        PROCESS_ENV["coordinator"]: f"127.0.0.1:{port}",
+        PROCESS_ENV["count"]: str(procs),
+        PROCESS_ENV["index"]: str(index),
+        PROCESS_ENV["heartbeat_s"]: str(heartbeat_s),
+        WATCHDOG_ENV: f"{watchdog_s:g}",
+        LAUNCH_ID_ENV: launch_id,
+    }
+
+
+def _forward_lines(stream: IO[bytes] | None, out: IO[str]) -> None:
+    assert stream is not None
+    for raw in stream:
+        line = raw.decode(errors="replace")
+        if not line.startswith(NOISE):
+            out.write(line)
+            out.flush()
+
+
+def _forward_raw(stream: IO[bytes] | None, out: IO[str]) -> None:
+    assert stream is not None
+    while chunk := os.read(stream.fileno(), 1 << 16):
+        out.write(chunk.decode(errors="replace"))
+        out.flush()
+
+
+def describe_status(status: int) -> str:
+    if status < 0:
+        return f"was killed by {signal.Signals(-status).name}"
+    if status == WATCHDOG_STATUS:
+        return "stopped by its watchdog (no progress)"
+    return f"exited with status {status}"
+
+
+def exit_code(status: int) -> int:
+    """A child's status as a shell exit code (a signal N reads 128 + N)."""
+    return 128 - status if status < 0 else status
+
+
+class Launch:
+    """P running children; ``wait`` returns the worst exit code and leaves none alive."""
+
+    def __init__(self, argv: Sequence[str], procs: int, port: int, log_dir: pathlib.Path,
+                 heartbeat_s: int, watchdog_s: float) -> None:  # fmt: skip
+        self.log_dir = log_dir
+        self.launch_id = f"{os.getpid()}-{time.time_ns()}"
+        self.children: list[subprocess.Popen[bytes]] = []
+        self.logs: list[IO[str] | None] = []
+        self.threads: list[threading.Thread] = []
+        command = [sys.executable, "-m", "shardkit.cli", *argv]
+        for index in range(procs):
+            env = child_env(procs, index, port, heartbeat_s, watchdog_s, self.launch_id)
+            if index == 0:
+                pipe = subprocess.PIPE
+                child = subprocess.Popen(command, env=env, stdout=pipe, stderr=pipe,
+                                         start_new_session=True)  # fmt: skip
+                for target, stream, out in ((_forward_lines, child.stdout, sys.stdout),
+                                            (_forward_raw, child.stderr, sys.stderr)):  # fmt: skip
+                    thread = threading.Thread(target=target, args=(stream, out))
+                    thread.start()
+                    self.threads.append(thread)
+                self.logs.append(None)
+            else:
+                log = open(self.log_path(index), "w")  # noqa: SIM115 (closed in wait)
+                child = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)  # fmt: skip
+                self.logs.append(log)
+            self.children.append(child)
+
+    def log_path(self, index: int) -> pathlib.Path:
+        return self.log_dir / f"process-{index}.log"
+
+    def kill_all(self) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.pid, signal.SIGKILL)  # the child and anything it started
+        for child in self.children:
+            child.wait()
+
+    def wait(self, timeout_s: float | None) -> int:
+        start = time.monotonic()
+        try:
+            while True:
+                statuses = [child.poll() for child in self.children]
+                failed = [(i, s) for i, s in enumerate(statuses) if s not in (None, 0)]
+                if failed:
+                    index, status = failed[0]
+                    self.kill_all()
+                    self._report(index, status, time.monotonic() - start)
+                    return exit_code(status)
+                if all(s == 0 for s in statuses):
+                    return 0
+                if timeout_s is not None and time.monotonic() - start > timeout_s:
+                    self.kill_all()
+                    _say(f"--timeout {timeout_s:g} s passed; killed all {len(self.children)} "
+                         "processes.")  # fmt: skip
+                    return 124
+                time.sleep(POLL_S)
+        except KeyboardInterrupt:
+            self.kill_all()
+            _say(f"interrupted; killed all {len(self.children)} processes.")
+            return 130
+        finally:
+            self.kill_all()
+            for thread in self.threads:
+                thread.join()
+            for log in self.logs:
+                if log is not None:
+                    log.close()
+
+    def _report(self, index: int, status: int, elapsed: float) -> None:
+        others = len(self.children) - 1
+        _say(f"process {index} {describe_status(status)} after {elapsed:.1f} s; killed the "
+             f"other {others} process{'es' if others != 1 else ''}.")  # fmt: skip
+        if index == 0:
+            return  # its output was streamed
+        lines = [ln for ln in self.log_path(index).read_text().splitlines()
+                 if not ln.startswith(NOISE)]  # fmt: skip
+        if lines:
+            _say(f"last lines of {self.log_path(index)}:")
+            for line in lines[-12:]:
+                print(f"  {line}", file=sys.stderr)
+
+
+def _say(message: str) -> None:
+    print(f"shardkit launch: {message}", file=sys.stderr, flush=True)
+
+
+def launch(argv: Sequence[str], procs: int, *, port: int | None = None,
+           timeout_s: float | None = None, log_dir: str | None = None, heartbeat_s: int = 10,
+           watchdog_s: float = 600.0) -> int:  # fmt: skip
+    """Runs ``shardkit <argv>`` as ``procs`` processes; returns the worst exit code (0: all
+    succeeded). ``argv`` was checked by the caller (``cli``) and its device count matches."""
+    if port is None:
+        port = free_port()
+    else:
+        check_port(port)
+    logs = pathlib.Path(log_dir or tempfile.mkdtemp(prefix="shardkit-launch-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    return Launch(argv, procs, port, logs, heartbeat_s, watchdog_s).wait(timeout_s)
+
+
+# ----------------------------------------------------------------------------- the children
+
+_last_beat = time.monotonic()
+
+
+def beat() -> None:
+    """Marks progress for this process's watchdog (a no-op cost: one clock read)."""
+    global _last_beat
+    _last_beat = time.monotonic()
+
+
+def start_watchdog(index: int, environ: dict[str, str] | None = None) -> None:
+    """From ``SHARDKIT_WATCHDOG_S`` (unset: none), a daemon thread that ends this process with
+    ``WATCHDOG_STATUS`` and one line when ``beat`` was not called for that many seconds."""
+    text = (os.environ if environ is None else environ).get(WATCHDOG_ENV)
+    if not text:
+        return
+    limit = float(text)
+    beat()
+
+    def watch() -> None:
+        while True:
+            time.sleep(min(1.0, limit / 4))
+            idle = time.monotonic() - _last_beat
+            if idle > limit:
+                print(f"shardkit: process {index} made no progress for {idle:.0f} s (watchdog "
+                      f"{limit:g} s): a peer may hang outside a collective; exiting.",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                os._exit(WATCHDOG_STATUS)
+
+    threading.Thread(target=watch, name="shardkit-watchdog", daemon=True).start()
