@@ -344,6 +344,7 @@ def train(
         model, opts, state["params"], state["opt_state"], optimizer
     )
     run.write_config(config)
+    beat()  # compiled: the watchdog's clock starts now
     saver = checkpoints and checkpoint.Checkpointer(
         out / "checkpoints", checkpoints.every, checkpoints.keep
     )
