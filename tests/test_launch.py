@@ -99,17 +99,25 @@ def test_training_over_two_processes_equals_one_process(tmp_path, capsys) -> Non
     assert alive_with(marker) == []
 
 
-@pytest.mark.slow
-def test_a_killed_process_ends_the_run_naming_it(tmp_path) -> None:
-    marker = uuid.uuid4().hex
-    proc = launch("--procs", "2", "--devices-per-proc", "4", "--log-dir", str(tmp_path), "--",
-                  "train", "--mesh", "data=8", "--steps", "100000", "--batch", "32",
-                  "--out", str(tmp_path / "run"), "--cache", "none", marker=marker)  # fmt: skip
+def training(tmp_path: pathlib.Path, marker: str, *launch_flags: str) -> subprocess.Popen:
+    """A long 2 × 4 training run under launch, returned once it has recorded 2 steps."""
+    proc = launch("--procs", "2", "--devices-per-proc", "4", *launch_flags, "--", "train",
+                  "--mesh", "data=8", "--steps", "100000", "--batch", "32", "--out",
+                  str(tmp_path / "run"), "--cache", "none", marker=marker)  # fmt: skip
     deadline = time.monotonic() + LIMIT_S
     metrics = tmp_path / "run" / "metrics.jsonl"
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        assert proc.poll() is None and time.monotonic() < deadline, "training never started"
+        if proc.poll() is not None or time.monotonic() > deadline:
+            finish(proc, 1)
+            pytest.fail("training never started")
         time.sleep(0.2)
+    return proc
+
+
+@pytest.mark.slow
+def test_a_killed_process_ends_the_run_naming_it(tmp_path) -> None:
+    marker = uuid.uuid4().hex
+    proc = training(tmp_path, marker, "--log-dir", str(tmp_path))
     victim = children(marker, 1)
     assert len(victim) == 1
     killed_at = time.monotonic()
@@ -125,14 +133,7 @@ def test_a_killed_process_ends_the_run_naming_it(tmp_path) -> None:
 @pytest.mark.slow
 def test_a_hung_process_is_caught_by_the_watchdog(tmp_path) -> None:
     marker = uuid.uuid4().hex
-    proc = launch("--procs", "2", "--devices-per-proc", "4", "--watchdog", "40", "--heartbeat",
-                  "60", "--", "train", "--mesh", "data=8", "--steps", "100000", "--batch", "32",
-                  "--out", str(tmp_path / "run"), "--cache", "none", marker=marker)  # fmt: skip
-    deadline = time.monotonic() + LIMIT_S
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        assert proc.poll() is None and time.monotonic() < deadline, "training never started"
-        time.sleep(0.2)
+    proc = training(tmp_path, marker, "--watchdog", "40", "--heartbeat", "60")
     os.kill(children(marker, 1)[0], signal.SIGSTOP)  # alive, never enters the next collective
     rc, _, err = finish(proc)
     assert rc == 3, err[-2000:]

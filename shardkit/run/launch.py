@@ -41,7 +41,8 @@ from shardkit.mesh import PROCESS_ENV
 WATCHDOG_ENV = "SHARDKIT_WATCHDOG_S"
 LAUNCH_ID_ENV = "SHARDKIT_LAUNCH_ID"  # marks every child of one launch (tests count them)
 POLL_S = 0.1
-NOISE = ("[Gloo] Rank",)  # gloo's per-connection lines (on stdout)
+# gloo's per-connection lines (on stdout; threads interleave them, so a fragment can start a line)
+NOISE = ("[Gloo] Rank", "connected peer ranks")
 WATCHDOG_STATUS = 3
 
 
@@ -84,7 +85,7 @@ def _forward_lines(stream: IO[bytes] | None, out: IO[str]) -> None:
     assert stream is not None
     for raw in stream:
         line = raw.decode(errors="replace")
-        if not line.startswith(NOISE):
+        if not any(noise in line for noise in NOISE):
             out.write(line)
             out.flush()
 
@@ -188,7 +189,7 @@ class Launch:
         if index == 0:
             return  # its output was streamed
         lines = [ln for ln in self.log_path(index).read_text().splitlines()
-                 if not ln.startswith(NOISE)]  # fmt: skip
+                 if not any(noise in ln for noise in NOISE)]  # fmt: skip
         if lines:
             _say(f"last lines of {self.log_path(index)}:")
             for line in lines[-12:]:
