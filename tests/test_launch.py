@@ -171,3 +171,29 @@ def test_bad_launches_are_one_line_exit_2(capsys) -> None:
             assert cli.main(["launch", *argv]) == 2
             err = capsys.readouterr().err
             assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.slow
+def test_a_one_process_checkpoint_resumes_over_two_processes(tmp_path, capsys) -> None:
+    """Saved by 1 process × 8 under DP×TP, restored by 2 × 4 under a 2×2×2 ring, which then
+    saves its own checkpoint shard by shard (one ocdbt folder per process)."""
+    flags = ["train", "--steps", "6", "--batch", "32", "--eval-every", "3", "--cache", "none",
+             "--checkpoint-every", "2"]  # fmt: skip
+    one = tmp_path / "one"
+    assert cli.main([*flags, "--mesh", "data=4,model=2", "--out", str(one)]) == 0
+    (one / "checkpoints" / "6" / "shardkit.sha256").unlink()  # as if killed during step 6's save
+    marker = uuid.uuid4().hex
+    rc, _, err = finish(launch("--procs", "2", "--devices-per-proc", "4", "--", *flags, "--mesh",
+                               "data=2,seq=2,model=2", "--sp", "ring", "--resume", str(one),
+                               "--out", str(tmp_path / "two"), marker=marker))  # fmt: skip
+    assert rc == 0, err[-2000:]
+    assert "checkpoints/6 is incomplete" in err
+    two = tmp_path / "two"
+    saved = sorted(p.name for p in (two / "checkpoints" / "6" / "state").glob("ocdbt.process_*"))
+    assert saved == ["ocdbt.process_0", "ocdbt.process_1"]
+    read = [[json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()]
+            for d in (one, two)]  # fmt: skip
+    assert [r["step"] for r in read[1]] == list(range(1, 7))
+    for a, b in zip(read[1], read[0], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    assert alive_with(marker) == []
