@@ -233,8 +233,6 @@ def _setup_devices(n: int) -> None:
     """``n`` CPU devices in all: here, or over the processes the ``SHARDKIT_*`` variables name
     (``shardkit launch`` sets them; DESIGN.md's ``mesh.PROCESS_ENV``), joined into one mesh.
     Only process 0 prints to stdout."""
-    import os
-
     from shardkit.mesh import Processes, set_cpu_devices
     from shardkit.run.launch import start_watchdog
 
@@ -244,9 +242,26 @@ def _setup_devices(n: int) -> None:
     if procs is None:
         set_cpu_devices(n)
         return
+    _native_stdout_to_devnull(keep_python_stdout=procs.index == 0)
     procs.join(n)
     start_watchdog(procs.index)
-    if procs.index != 0:
+
+
+def _native_stdout_to_devnull(keep_python_stdout: bool) -> None:
+    """File descriptor 1 to /dev/null: native libraries' prints (gloo writes a line per peer
+    connection there, from several threads at once) never mix into ``--json``. Python's
+    ``sys.stdout`` keeps the real stdout where ``keep_python_stdout``, else /dev/null too."""
+    import os
+
+    sys.stdout.flush()
+    real = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    if keep_python_stdout:
+        sys.stdout = os.fdopen(real, "w", buffering=1)
+    else:
+        os.close(real)
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's lifetime)
 
 
@@ -284,6 +299,8 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    import jax
+
     from shardkit.comm import report
 
     _setup_devices(args.devices)
@@ -293,8 +310,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
     report.check_plan(cfg, plan, args.batch)
     _zero_notes(cfg, plan)
-    result = report.inspect(cfg, plan, args.batch, hlo_path=args.hlo)
-    if args.plot:
+    lead = jax.process_index() == 0  # across processes, files come from process 0 only
+    result = report.inspect(cfg, plan, args.batch, hlo_path=args.hlo if lead else None)
+    if args.plot and lead:
         from shardkit.comm.plot import plot_report
 
         plot_report(result, args.plot)

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
@@ -69,8 +74,6 @@ def flip_a_byte(step_dir: pathlib.Path) -> None:
 
 
 def test_damaged_newest_falls_back_to_the_previous_by_name(saved, tmp_path, capsys) -> None:
-    import shutil
-
     directory = tmp_path / "checkpoints"
     shutil.copytree(saved[0], directory)
     assert checkpoint.newest_valid(directory) == 2
@@ -98,8 +101,8 @@ def test_missing_or_empty_directories_say_which(tmp_path) -> None:
 
 
 TRAIN = ["train", "--data", "digits", "--dim", "32", "--heads", "4", "--mlp-dim", "64",
-         "--batch", "32", "--steps", "6", "--eval-every", "3", "--cache", "none",
-         "--checkpoint-every", "2"]  # fmt: skip
+         "--batch", "32", "--steps", "12", "--eval-every", "3", "--cache", "none",
+         "--checkpoint-every", "2", "--keep", "2"]  # fmt: skip
 
 
 def records(out: pathlib.Path) -> list[dict]:
@@ -107,35 +110,64 @@ def records(out: pathlib.Path) -> list[dict]:
     return [{k: v for k, v in json.loads(ln).items() if k != "images_per_s"} for ln in lines]
 
 
-def test_resume_equals_the_uninterrupted_run_and_refuses_another_model(tmp_path, capsys) -> None:
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert cli.main([*TRAIN, "--mesh", "data=4,model=2", "--out", str(whole)]) == 0
-    assert cli.main([*TRAIN, "--mesh", "data=4,model=2", "--out", str(cut)]) == 0
-    # As if killed after step 4's checkpoint: step 6's was never completed.
-    (cut / "checkpoints" / "6" / checkpoint.MANIFEST).unlink()
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> pathlib.Path:
+    """A 12-step DP×TP run, checkpointed every 2 steps, never stopped."""
+    out = tmp_path_factory.mktemp("whole")
+    assert cli.main([*TRAIN, "--mesh", "data=4,model=2", "--out", str(out)]) == 0
+    return out
+
+
+def test_a_checkpoint_of_another_model_is_refused_by_field(uninterrupted, tmp_path, capsys) -> None:
+    bad = [*TRAIN, "--dim", "16", "--mesh", "data=8", "--resume", str(uninterrupted), "--out",
+           str(tmp_path / "x")]  # fmt: skip
+    assert cli.main(bad) == 2
+    assert "is from another run: its model has dim=32, this run's is 16" in capsys.readouterr().err
+
+
+def killed_mid_save(flags: list[str], out: pathlib.Path, after: int) -> int:
+    """Runs ``shardkit train`` in a child process and SIGKILLs it while it is writing the first
+    checkpoint after step ``after`` (orbax's temporary directory exists: the save has begun and
+    not finished). Returns the step whose save was cut."""
+    command = [sys.executable, "-m", "shardkit.cli", *flags, "--out", str(out)]
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    where, deadline = out / "checkpoints", time.monotonic() + 180
+    try:
+        while child.poll() is None and time.monotonic() < deadline:
+            cut = [int(p.name.split(".")[0]) for p in where.glob("*.orbax-checkpoint-tmp*")]
+            cut = [step for step in cut if step > after]
+            if cut:
+                child.send_signal(signal.SIGKILL)
+                child.wait()
+                return cut[0]
+            time.sleep(0.001)
+    finally:
+        child.kill()
+        _, err = child.communicate()
+    pytest.fail(f"the run ended ({child.returncode}) before it could be killed: {err[-1000:]}")
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_save_resumes_equal_to_the_uninterrupted_run(
+    uninterrupted, tmp_path, capsys
+) -> None:
+    """A real SIGKILL while step K's checkpoint is being written: the previous checkpoint is
+    intact; resumed on the same plan, the records and final params are bitwise the uninterrupted
+    run's; resumed under FSDP over 8, the records match to float32 rounding."""
+    cut = tmp_path / "cut"
+    killed_at = killed_mid_save([*TRAIN, "--mesh", "data=4,model=2"], cut, after=4)
+    assert (cut / "metrics.jsonl").read_text().count("\n") < 12  # killed mid-run, not at the end
+    shutil.copytree(cut, tmp_path / "cut-fsdp")
     assert cli.main([*TRAIN, "--mesh", "data=4,model=2", "--resume", str(cut)]) == 0
-    assert records(cut) == records(whole)
-    final = [checkpoint.restore(d / "checkpoints", 6, None) for d in (whole, cut)]
+    assert f"resuming from step {killed_at - 2} of 12" in capsys.readouterr().err
+    assert records(cut) == records(uninterrupted)
+    final = [checkpoint.restore(d / "checkpoints", 12, None) for d in (uninterrupted, cut)]
     for a, b in zip(jax.tree.leaves(final[0]), jax.tree.leaves(final[1]), strict=True):
         assert np.array_equal(a, b)
     # Under another plan: the same run to float32 rounding.
-    other = tmp_path / "other"
-    assert cli.main([*TRAIN, "--mesh", "data=8", "--fsdp", "--resume", str(whole), "--out",
-                     str(other)]) == 0  # fmt: skip
-    assert [r["step"] for r in records(other)] == list(range(1, 7))
-    for a, b in zip(records(other), records(whole), strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-    capsys.readouterr()
-    bad = [
-        *TRAIN,
-        "--dim",
-        "16",
-        "--mesh",
-        "data=8",
-        "--resume",
-        str(whole),
-        "--out",
-        str(tmp_path / "x"),
-    ]
-    assert cli.main(bad) == 2
-    assert "is from another run: its model has dim=32, this run's is 16" in capsys.readouterr().err
+    other = tmp_path / "cut-fsdp"
+    assert cli.main([*TRAIN, "--mesh", "data=8", "--fsdp", "--resume", str(other)]) == 0
+    assert [r["step"] for r in records(other)] == list(range(1, 13))
+    for a, b in zip(records(other), records(uninterrupted), strict=True):
+        for key in set(b) & {"loss", "grad_norm", "test_loss", "test_accuracy"}:
+            assert a[key] == pytest.approx(b[key], rel=1e-5)

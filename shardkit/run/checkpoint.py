@@ -144,11 +144,12 @@ def newest_valid(directory: pathlib.Path) -> int:
         why = damage(directory / str(step))
         if why is None:
             return step
-        _warn(f"checkpoint {directory / str(step)} {why}; skipped.")
+        note(f"checkpoint {directory / str(step)} {why}; skipped.")
     raise CheckpointError(f"No readable checkpoint in {directory}: all {len(steps)} are damaged.")
 
 
-def _warn(message: str) -> None:
+def note(message: str) -> None:
+    """``message`` on stderr, from process 0 only."""
     if jax.process_index() == 0:
         print(f"shardkit: {message}", file=sys.stderr, flush=True)
 

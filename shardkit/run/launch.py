@@ -5,12 +5,13 @@ Two halves, one per side of the process boundary:
 The parent (``launch``) never touches a JAX backend. It picks a free port on 127.0.0.1, starts
 P children ``python -m shardkit.cli <subcommand> ...``, each in its own session (so a terminal's
 Ctrl-C reaches only the parent) with the ``SHARDKIT_*`` variables of ``mesh.PROCESS_ENV``, and
-streams process 0's output: stdout line by line without gloo's connection chatter (which gloo
-prints there), so ``--json`` stays one parseable line; stderr as it comes (progress bars). The
-others' output goes to ``LOG_DIR/process-K.log``. It polls the children: when one ends with a
+streams process 0's stdout and stderr as they come (its ``--json`` stays one parseable line: the
+children send native libraries' stdout, gloo's per-connection lines, to /dev/null). The others'
+output goes to ``LOG_DIR/process-K.log``. It polls the children: when one ends with a
 non-zero status, it SIGKILLs the rest at once (DESIGN.md: SIGTERM is ignored after
 ``jax.distributed.initialize``), names the one that failed, prints the tail of its log and
-returns its status. Ctrl-C or ``--timeout`` end every child the same way. Nothing outlives
+returns its status. Ctrl-C, SIGTERM or SIGHUP to ``launch`` (handled even where a shell started
+it with SIGINT ignored) and ``--timeout`` end every child the same way. Nothing outlives
 ``launch``.
 
 The child side (``start_watchdog``, ``beat``): a process blocked in a collective waits forever
@@ -23,6 +24,7 @@ started by hand, by the coordination service after ``SHARDKIT_HEARTBEAT_S`` miss
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import os
 import pathlib
@@ -41,8 +43,6 @@ from shardkit.mesh import PROCESS_ENV
 WATCHDOG_ENV = "SHARDKIT_WATCHDOG_S"
 LAUNCH_ID_ENV = "SHARDKIT_LAUNCH_ID"  # marks every child of one launch (tests count them)
 POLL_S = 0.1
-# gloo's per-connection lines (on stdout; threads interleave them, so a fragment can start a line)
-NOISE = ("[Gloo] Rank", "connected peer ranks")
 WATCHDOG_STATUS = 3
 
 
@@ -81,19 +81,11 @@ def child_env(procs: int, index: int, port: int, heartbeat_s: int, watchdog_s: f
     }
 
 
-def _forward_lines(stream: IO[bytes] | None, out: IO[str]) -> None:
+def _forward(stream: IO[bytes] | None, out: IO[str]) -> None:
     assert stream is not None
-    for raw in stream:
-        line = raw.decode(errors="replace")
-        if not any(noise in line for noise in NOISE):
-            out.write(line)
-            out.flush()
-
-
-def _forward_raw(stream: IO[bytes] | None, out: IO[str]) -> None:
-    assert stream is not None
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # "×" may span two reads
     while chunk := os.read(stream.fileno(), 1 << 16):
-        out.write(chunk.decode(errors="replace"))
+        out.write(decoder.decode(chunk))
         out.flush()
 
 
@@ -110,35 +102,52 @@ def exit_code(status: int) -> int:
     return 128 - status if status < 0 else status
 
 
+class StoppedBySignal(Exception):  # noqa: N818 (a stop, not an error)
+    """``launch`` itself got SIGINT (Ctrl-C), SIGTERM or SIGHUP."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise StoppedBySignal(signum)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 class Launch:
-    """P running children; ``wait`` returns the worst exit code and leaves none alive."""
+    """P children of ``shardkit <argv>``; ``run`` starts them, returns the worst exit code and
+    leaves none alive, whatever happens (a signal to ``launch`` included)."""
 
     def __init__(self, argv: Sequence[str], procs: int, port: int, log_dir: pathlib.Path,
                  heartbeat_s: int, watchdog_s: float) -> None:  # fmt: skip
-        self.log_dir = log_dir
+        self.command = [sys.executable, "-m", "shardkit.cli", *argv]
+        self.procs, self.port, self.log_dir = procs, port, log_dir
+        self.heartbeat_s, self.watchdog_s = heartbeat_s, watchdog_s
         self.launch_id = f"{os.getpid()}-{time.time_ns()}"
         self.children: list[subprocess.Popen[bytes]] = []
-        self.logs: list[IO[str] | None] = []
+        self.logs: list[IO[str]] = []
         self.threads: list[threading.Thread] = []
-        command = [sys.executable, "-m", "shardkit.cli", *argv]
-        for index in range(procs):
-            env = child_env(procs, index, port, heartbeat_s, watchdog_s, self.launch_id)
-            if index == 0:
-                pipe = subprocess.PIPE
-                child = subprocess.Popen(command, env=env, stdout=pipe, stderr=pipe,
-                                         start_new_session=True)  # fmt: skip
-                for target, stream, out in ((_forward_lines, child.stdout, sys.stdout),
-                                            (_forward_raw, child.stderr, sys.stderr)):  # fmt: skip
-                    thread = threading.Thread(target=target, args=(stream, out))
-                    thread.start()
-                    self.threads.append(thread)
-                self.logs.append(None)
-            else:
-                log = open(self.log_path(index), "w")  # noqa: SIM115 (closed in wait)
-                child = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)  # fmt: skip
-                self.logs.append(log)
-            self.children.append(child)
+
+    def _start(self, index: int) -> None:
+        env = child_env(self.procs, index, self.port, self.heartbeat_s, self.watchdog_s,
+                        self.launch_id)  # fmt: skip
+        if index == 0:
+            pipe = subprocess.PIPE
+            child = subprocess.Popen(self.command, env=env, stdout=pipe, stderr=pipe,
+                                     start_new_session=True)  # fmt: skip
+            for stream, out in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
+                thread = threading.Thread(target=_forward, args=(stream, out), daemon=True)
+                thread.start()
+                self.threads.append(thread)
+        else:
+            log = open(self.log_path(index), "w")  # noqa: SIM115 (closed in run)
+            self.logs.append(log)
+            child = subprocess.Popen(self.command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)  # fmt: skip
+        self.children.append(child)
 
     def log_path(self, index: int) -> pathlib.Path:
         return self.log_dir / f"process-{index}.log"
@@ -151,9 +160,12 @@ class Launch:
         for child in self.children:
             child.wait()
 
-    def wait(self, timeout_s: float | None) -> int:
+    def run(self, timeout_s: float | None) -> int:
         start = time.monotonic()
+        handlers = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS}
         try:
+            for index in range(self.procs):
+                self._start(index)
             while True:
                 statuses = [child.poll() for child in self.children]
                 failed = [(i, s) for i, s in enumerate(statuses) if s not in (None, 0)]
@@ -166,21 +178,22 @@ class Launch:
                     return 0
                 if timeout_s is not None and time.monotonic() - start > timeout_s:
                     self.kill_all()
-                    _say(f"--timeout {timeout_s:g} s passed; killed all {len(self.children)} "
-                         "processes.")  # fmt: skip
+                    _say(f"--timeout {timeout_s:g} s passed; killed all {self.procs} processes.")
                     return 124
                 time.sleep(POLL_S)
-        except KeyboardInterrupt:
+        except StoppedBySignal as stop:
             self.kill_all()
-            _say(f"interrupted; killed all {len(self.children)} processes.")
-            return 130
+            why = "interrupted" if stop.signum == signal.SIGINT else f"got {stop}"
+            _say(f"{why}; killed all {self.procs} processes.")
+            return 128 + stop.signum
         finally:
             self.kill_all()
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
             for thread in self.threads:
-                thread.join()
+                thread.join(timeout=5)
             for log in self.logs:
-                if log is not None:
-                    log.close()
+                log.close()
 
     def _report(self, index: int, status: int, elapsed: float) -> None:
         others = len(self.children) - 1
@@ -188,8 +201,7 @@ class Launch:
              f"other {others} process{'es' if others != 1 else ''}.")  # fmt: skip
         if index == 0:
             return  # its output was streamed
-        lines = [ln for ln in self.log_path(index).read_text().splitlines()
-                 if not any(noise in ln for noise in NOISE)]  # fmt: skip
+        lines = self.log_path(index).read_text().splitlines()
         if lines:
             _say(f"last lines of {self.log_path(index)}:")
             for line in lines[-12:]:
@@ -211,7 +223,7 @@ def launch(argv: Sequence[str], procs: int, *, port: int | None = None,
         check_port(port)
     logs = pathlib.Path(log_dir or tempfile.mkdtemp(prefix="shardkit-launch-"))
     logs.mkdir(parents=True, exist_ok=True)
-    return Launch(argv, procs, port, logs, heartbeat_s, watchdog_s).wait(timeout_s)
+    return Launch(argv, procs, port, logs, heartbeat_s, watchdog_s).run(timeout_s)
 
 
 # ----------------------------------------------------------------------------- the children

@@ -293,13 +293,29 @@ def resume_state(
         where / str(step),
     )
     restored = checkpoint.restore(where, step, checkpoint.abstract_like(state))
+    checkpoint.note(f"resuming from step {step} of {opts.steps} ({where / str(step)}).")
     if jax.process_index() == 0:
         checkpoint.set_aside_after(where, step)  # this run writes those steps anew
-    metrics = directory / "metrics.jsonl"
-    records = []
-    if metrics.is_file():
-        records = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    records = read_records(directory / "metrics.jsonl")
     return restored, step, [r for r in records if r["step"] <= step]
+
+
+def read_records(metrics: pathlib.Path) -> list[dict[str, Any]]:
+    """The records of ``metrics.jsonl`` (none when it is absent); a last line cut short by a
+    crash mid-write is dropped, a bad line before it is an error."""
+    if not metrics.is_file():
+        return []
+    lines = metrics.read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise checkpoint.CheckpointError(
+                    f"{metrics} line {number} is not a JSON record; the run's records are damaged."
+                ) from None
+    return records
 
 
 def train(
