@@ -8,7 +8,7 @@ model. Declare each collective with the ring formulas (bytes SENT per device, DE
   all_gather(axes, V, n)       (n−1)/n · V       V: the gathered OUTPUT's bytes
   reduce_scatter(axes, V, n)   (n−1)/n · V       V: the INPUT's bytes
   all_to_all(axes, V, n)       (n−1)/n · V       V: the local block's bytes
-  permute(axes, V)             V                 V: the block each device sends
+  permute(axes, V, step=1)     V                 V: the block each device sends
 
 each with a ``count`` (executions per call: a collective inside a ``scan`` of L steps counts L)
 and a reason. ``assert_contract(fn, *args, expected=[...])`` compiles ``fn``, measures it with
@@ -18,6 +18,12 @@ all-gather from closing over a sharded array, an all-reduce autodiff inserted be
 axis was forgotten — is a difference too. By default a contract also says "no implicit
 collectives": an all-reduce that autodiff inserted as the transpose of a cast ``check_vma``
 made implicitly (``Collective.origin``) fails it, naming the source line.
+
+A contract holds the pattern too (``comm.ledger.pattern_of``): every collective runs on its
+axes' device groups, and a permute shifts by its ``step`` (linear index i -> i + step along its
+axes). A ring that hops −1 where +1 is declared, a "bidirectional" ring sending every block one
+way (declare it as two permutes, ``step=1`` and ``step=-1``, half the bytes each) or groups that
+are not the axes' fail it, with the op and the expected and measured patterns named.
 """
 
 from __future__ import annotations
@@ -31,10 +37,12 @@ from shardkit.comm.cost import (
     all_reduce_bytes,
     all_to_all_bytes,
     compare,
+    compare_patterns,
+    patterns_of,
     permute_bytes,
     reduce_scatter_bytes,
 )
-from shardkit.comm.ledger import AnyMesh, Ledger, Tally, measure
+from shardkit.comm.ledger import GROUPS, AnyMesh, Ledger, Tally, measure, shift
 
 Axes = tuple[str, ...]
 
@@ -49,6 +57,8 @@ class Expected:
       count: executions per call.
       bytes_sent: bytes one device sends over all ``count`` executions.
       why: what moves and why the program needs it.
+      pattern: how its devices are linked (``comm.ledger.pattern_of``): ``GROUPS``, or a
+        permute's ``shift(step, n)``.
     """
 
     kind: str
@@ -56,11 +66,15 @@ class Expected:
     count: int
     bytes_sent: float
     why: str = ""
+    pattern: str = GROUPS
+    fused: None = None  # never fused: ``cost.patterns_of`` counts every declared op
 
 
-def _expected(kind: str, axes: str | Iterable[str], each: float, count: int, why: str) -> Expected:
+def _expected(
+    kind: str, axes: str | Iterable[str], each: float, count: int, why: str, pattern: str = GROUPS
+) -> Expected:
     names = (axes,) if isinstance(axes, str) else tuple(axes)
-    return Expected(kind, names, count, count * each, why)
+    return Expected(kind, names, count, count * each, why, pattern)
 
 
 def all_reduce(
@@ -91,9 +105,22 @@ def all_to_all(
     return _expected("all-to-all", axes, all_to_all_bytes(v, n), count, why)
 
 
-def permute(axes: str | Iterable[str], v: float, count: int = 1, why: str = "") -> Expected:
-    """``count`` collective-permutes of a ``v``-byte block: v each."""
-    return _expected("collective-permute", axes, permute_bytes(v), count, why)
+def permute(
+    axes: str | Iterable[str],
+    v: float,
+    count: int = 1,
+    why: str = "",
+    step: int = 1,
+    n: int | None = None,
+) -> Expected:
+    """``count`` collective-permutes of a ``v``-byte block, v each, from linear index i to
+    i + ``step`` along ``axes`` (some devices may send nothing, as at a pipeline's ends).
+
+    ``n``: the devices along ``axes``. Pass it where ``step`` is not within (−n/2, n/2]: on
+    2 devices +1 and −1 are the same permutation, measured as "shift +1".
+    """
+    pattern = shift(step, n if n else 2 * abs(step) + 1)
+    return _expected("collective-permute", axes, permute_bytes(v), count, why, pattern)
 
 
 def summary(expected: Sequence[Expected]) -> dict[tuple[str, Axes], Tally]:
@@ -116,11 +143,14 @@ def differences(
     """One sentence per (kind, axes) where ``ledger`` breaks the contract; [] if it holds.
 
     Collectives whose groups hold one device (an axis of size 1) send nothing and are ignored.
+    Where a (kind, axes) moves the declared ops and bytes, their split by pattern must match
+    too (``cost.compare_patterns``).
     Unless ``implicit_ok``, every collective autodiff inserted for an implicit ``check_vma``
     cast (``Collective.origin == "implicit"``) is a difference too, with its source line: it
     means a reduction the program does not say it makes.
     """
     problems = compare(summary(expected), _measured(ledger), rtol)
+    problems += compare_patterns(patterns_of(expected), ledger.patterns(), ledger.collectives, rtol)
     if not implicit_ok:
         problems += [
             f"implicit {c.kind} over {','.join(c.axes)}: autodiff's transpose of a check_vma "

@@ -63,11 +63,12 @@ import dataclasses
 import functools
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import jax
 
 import vit_ref
-from shardkit.comm.ledger import Tally
+from shardkit.comm.ledger import GROUPS, Collective, Tally, shift
 from shardkit.mesh import AXES, Plan
 from shardkit.models.vit import check_plan, row_leaves, schedule, ulysses_factor
 from shardkit.parallel import pipeline
@@ -123,6 +124,8 @@ class Term:
       phase: "forward", "backward", "recompute" (remat's second forward) or "step end".
       fused: terms with the same (kind, axes) and the same non-None ``fused`` group run as one
         op (XLA's all-reduce combiner); their counts are not added.
+      pattern: how its devices are linked (``ledger.Collective.pattern``): ``GROUPS`` (the
+        replica groups are the mesh's groups along ``axes``) or, for a permute, the shift.
     """
 
     kind: str
@@ -132,6 +135,7 @@ class Term:
     what: str
     phase: str
     fused: str | None = None
+    pattern: str = GROUPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +170,10 @@ class Expectation:
             t = out.get(key, Tally(0, 0.0))
             out[key] = Tally(t.count + count, t.bytes_sent + term.bytes_sent)
         return out
+
+    def patterns(self) -> dict[Key, dict[str, Tally]]:
+        """``summary`` split by pattern: (kind, axes) -> pattern -> ops and bytes."""
+        return patterns_of(self.terms)
 
     def total_bytes_sent(self) -> float:
         """Bytes one device sends per step, over every collective."""
@@ -210,6 +218,68 @@ def compare(
                 f"{name}: {got.bytes_sent:,.0f} bytes measured, {want.bytes_sent:,.0f} expected."
             )
     return problems
+
+
+def patterns_of(terms: Iterable[Term] | Iterable[Any]) -> dict[Key, dict[str, Tally]]:
+    """(kind, axes) -> pattern -> ops and bytes of the terms (fused ones once per group);
+    ``contract.Expected`` records count too."""
+    out: dict[Key, dict[str, Tally]] = {}
+    seen: set[tuple[str, Axes, str, str]] = set()
+    for term in terms:
+        key, fused = (term.kind, term.axes), term.fused
+        count = term.count
+        if fused is not None:
+            count = 0 if (*key, term.pattern, fused) in seen else 1
+            seen.add((*key, term.pattern, fused))
+        by = out.setdefault(key, {})
+        t = by.get(term.pattern, Tally(0, 0.0))
+        by[term.pattern] = Tally(t.count + count, t.bytes_sent + term.bytes_sent)
+    return out
+
+
+def compare_patterns(
+    expected: dict[Key, dict[str, Tally]],
+    measured: dict[Key, dict[str, Tally]],
+    collectives: Iterable[Collective],
+    rtol: float = 0.01,
+) -> list[str]:
+    """Where the right amount moves the wrong way: one sentence per (kind, axes) whose total
+    ops and bytes agree (``compare`` reports the rest) but whose split by pattern does not.
+
+    The sentence names the expected and the measured patterns (ops and bytes of each) and the
+    first measured op of a pattern the contract does not expect, with its source line.
+    """
+    ops = list(collectives)
+    problems = []
+    for key in sorted(set(expected) & set(measured)):
+        want, got = expected[key], measured[key]
+        by_pattern = (_agree(want.get(p), got.get(p), rtol) for p in set(want) | set(got))
+        if not _agree(_sum(want), _sum(got), rtol) or all(by_pattern):
+            continue
+        mine = [c for c in ops if (c.kind, c.axes) == key]
+        op = next((c for c in mine if c.pattern not in want), mine[0] if mine else None)
+        where = "" if op is None else f" ({op.name}{f' at {op.source}' if op.source else ''}"
+        where += "" if op is None else f" is {op.pattern})"
+        problems.append(
+            f"{key[0]} over {','.join(key[1])}: expected pattern {_patterns(want)}, measured "
+            f"{_patterns(got)}{where}."
+        )
+    return problems
+
+
+def _sum(by: dict[str, Tally]) -> Tally:
+    return Tally(sum(t.count for t in by.values()), sum(t.bytes_sent for t in by.values()))
+
+
+def _agree(want: Tally | None, got: Tally | None, rtol: float) -> bool:
+    """Equal op counts and bytes within ``rtol`` (a missing tally is zero)."""
+    w, g = want or Tally(0, 0.0), got or Tally(0, 0.0)
+    return w.count == g.count and abs(w.bytes_sent - g.bytes_sent) <= rtol * max(w.bytes_sent, 1)
+
+
+def _patterns(by: dict[str, Tally]) -> str:
+    """``shift +1: 20 ops, 696,320 B; shift -1: 20 ops, 696,320 B``."""
+    return "; ".join(f"{p}: {t.count} ops, {t.bytes_sent:,.0f} B" for p, t in sorted(by.items()))
 
 
 # ----------------------------------------------------------------------------- geometry
@@ -388,7 +458,7 @@ def _pipeline_terms(g: Geometry, stage: int) -> list[Term]:
         ]
     sent_x, sent_dy = pipeline.tables(schedule(plan)).sent()
     act = gm.b * g.t * g.cfg.dim * WORD
-    permute = functools.partial(_term, g, "collective-permute", ["stage"])
+    permute = functools.partial(_term, g, "collective-permute", ["stage"])  # +1 / −1 below
     outer = [leaf for leaf in param_leaves(g) if not leaf.in_blocks]
     n_data = plan.size("data")
     ends = sum(leaf.local * (n_data if "data" in leaf.split else 1) for leaf in outer) + 1
@@ -398,8 +468,8 @@ def _pipeline_terms(g: Geometry, stage: int) -> list[Term]:
     ]
     return [
         *layers,
-        *permute(sent_x, act, "activation to the next stage", "forward"),
-        *permute(sent_dy, act, "cotangent to the previous stage", "backward"),
+        *permute(sent_x, act, "activation to the next stage", "forward", step=1),
+        *permute(sent_dy, act, "cotangent to the previous stage", "backward", step=-1),
         *_term(
             g, "all-reduce", ["stage"], 1, all_reduce_bytes(ends * WORD, stages),
             "loss, embedding and head gradients from the first and last stage", STEP_END,
@@ -422,13 +492,23 @@ def _pipeline_fsdp_terms(g: Geometry) -> list[Term]:
 
 
 def _term(
-    g: Geometry, kind: str, axes: Iterable[str], count: int, each: float, what: str, phase: str
+    g: Geometry,
+    kind: str,
+    axes: Iterable[str],
+    count: int,
+    each: float,
+    what: str,
+    phase: str,
+    step: int | None = None,
 ) -> list[Term]:
-    """[Term] of ``count`` executions of ``each`` bytes, or [] when nothing runs."""
+    """[Term] of ``count`` executions of ``each`` bytes, or [] when nothing runs; a permute
+    shifts by ``step`` along ``axes``, every other kind runs on the axes' groups."""
     axes = g.order(axes)
     if count == 0 or not axes:
         return []
-    return [Term(kind, axes, count, count * each, what, phase)]
+    n = math.prod(g.sizes[a] for a in axes)
+    pattern = GROUPS if step is None else shift(step, n)
+    return [Term(kind, axes, count, count * each, what, phase, pattern=pattern)]
 
 
 def _tp_terms(g: Geometry) -> list[Term]:
@@ -509,7 +589,8 @@ def _ring_terms(g: Geometry) -> list[Term]:
     if g.ring_axis is None:
         return []
     r, layers, e = g.sizes[g.ring_axis], g.cfg.depth, g.block
-    hop = functools.partial(_term, g, "collective-permute", [g.ring_axis])
+    # Every hop (K, V and the dK, dV accumulators) goes from ring position i to i + 1.
+    hop = functools.partial(_term, g, "collective-permute", [g.ring_axis], step=1)
     redo = 2 * layers * (r - 1) if g.plan.remat and r > 2 else 0
     merged = layers == 1 and r == 2 and not g.plan.remat
     again = 0 if merged else 2 * layers * (r - 1)

@@ -96,6 +96,10 @@ class Collective:
       computation: the HLO computation that holds the instruction.
       replica_groups: the device groups (empty for collective-permute).
       source_target_pairs: the (source, target) pairs of a collective-permute.
+      pattern: how its devices are linked (``pattern_of``): ``GROUPS`` when the replica groups
+        are exactly the partition of the mesh along ``axes``; ``shift(k, n)`` ("shift +1",
+        "shift -1") when every pair sends from linear index i to i + k mod n over ``axes``;
+        else the explicit groups or pairs. "" without a mesh.
       count_exact: False when an enclosing loop has no known trip count (``count`` then counts
         that loop once).
     """
@@ -114,6 +118,7 @@ class Collective:
     computation: str
     replica_groups: tuple[tuple[int, ...], ...] = ()
     source_target_pairs: tuple[tuple[int, int], ...] = ()
+    pattern: str = ""
     count_exact: bool = True
 
     @property
@@ -208,6 +213,15 @@ class Ledger:
         out: dict[tuple[str, tuple[str, ...]], Tally] = {}
         for c in self.collectives:
             out[(c.kind, c.axes)] = out.get((c.kind, c.axes), Tally(0, 0.0)).add(c)
+        return out
+
+    def patterns(self) -> dict[tuple[str, tuple[str, ...]], dict[str, Tally]]:
+        """(kind, axes) -> pattern -> executions and bytes: ``summary`` split by how the
+        devices are linked (a bidirectional ring: half its bytes "shift +1", half "shift -1")."""
+        out: dict[tuple[str, tuple[str, ...]], dict[str, Tally]] = {}
+        for c in self.collectives:
+            by = out.setdefault((c.kind, c.axes), {})
+            by[c.pattern] = by.get(c.pattern, Tally(0, 0.0)).add(c)
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -543,10 +557,11 @@ def _collective(
         size, sends = max((len(g) for g in groups), default=1), 0
     result_bytes = sum(_leaf_bytes(dtype, dims) for dtype, dims in leaves)
     op_name, source = _metadata(instr.attrs, ctx.frames)
+    axes = _spanned_axes(groups or pairs, ctx.mesh)
     return Collective(
         kind=kind,
         group_size=size,
-        axes=_spanned_axes(groups or pairs, ctx.mesh),
+        axes=axes,
         shapes=tuple(dims for _, dims in leaves),
         dtypes=tuple(d for d, _ in leaves),
         result_bytes=result_bytes,
@@ -558,6 +573,7 @@ def _collective(
         computation=comp,
         replica_groups=groups,
         source_target_pairs=pairs,
+        pattern=pattern_of(groups, pairs, axes, ctx.mesh),
         count_exact=exact,
     )
 
@@ -746,6 +762,54 @@ def _linked_size(pairs: tuple[tuple[int, int], ...]) -> int:
     for i in parent:
         sizes[root(i)] = sizes.get(root(i), 0) + 1
     return max(sizes.values(), default=1)
+
+
+GROUPS = "axis groups"
+
+
+def shift(step: int, n: int) -> str:
+    """The pattern of a cyclic shift by ``step`` over n devices: "shift +1", "shift -1", ...
+
+    Normalised to (−n/2, n/2]: on two devices +1 and −1 are the same permutation ("shift +1").
+    """
+    k = step % n
+    return f"shift {k if 2 * k <= n else k - n:+d}"
+
+
+def pattern_of(
+    groups: tuple[tuple[int, ...], ...],
+    pairs: tuple[tuple[int, int], ...],
+    axes: tuple[str, ...],
+    mesh: AnyMesh | None,
+) -> str:
+    """How a collective's devices are linked (``Collective.pattern``), "" without a mesh.
+
+    Pairs: the step from source to target in the linear index over ``axes`` (mesh order) of
+    the two devices; one step for every pair is a shift, even if only some devices send (a
+    pipeline's first stage receives nothing). Groups: ``GROUPS`` when they are the devices that
+    share every coordinate but ``axes``.
+    """
+    if mesh is None or not axes:
+        return ""
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    where = [mesh.axis_names.index(a) for a in axes]
+    n = math.prod(sizes[a] for a in axes)
+
+    def linear(device: int) -> int:
+        coord = np.unravel_index(device, mesh.axis_sizes)
+        return int(np.ravel_multi_index([coord[w] for w in where], [sizes[a] for a in axes]))
+
+    if pairs:
+        steps = {(linear(t) - linear(s)) % n for s, t in pairs}
+        if len(steps) == 1:
+            return shift(steps.pop(), n)
+        return "pairs " + " ".join(f"{s}>{t}" for s, t in pairs)
+    partition = np.arange(mesh.size).reshape(mesh.axis_sizes)
+    rest = [i for i in range(len(sizes)) if i not in where]
+    want = {frozenset(g) for g in partition.transpose(rest + where).reshape(-1, n).tolist()}
+    if {frozenset(g) for g in groups} == want:
+        return GROUPS
+    return "groups " + " ".join("{" + ",".join(map(str, g)) + "}" for g in groups)
 
 
 def _spanned_axes(groups: Iterable[Iterable[int]], mesh: AnyMesh | None) -> tuple[str, ...]:

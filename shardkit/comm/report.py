@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 import vit_ref
 from shardkit.comm import cost
-from shardkit.comm.ledger import KINDS, Ledger, Tally, measure
+from shardkit.comm.ledger import GROUPS, KINDS, Ledger, Tally, measure
 from shardkit.mesh import Plan, format_mesh, make_mesh
 from shardkit.models.sharded import opt_state_layout
 from shardkit.models.vit import ShardedViT, check_plan, param_specs, schedule, state_specs
@@ -55,17 +55,42 @@ class Row:
     expected_count: int
     expected_bytes_sent: float
     exact: bool = True  # False: the expectation is an upper bound (``Expectation.exact``)
+    # pattern -> ops and bytes, measured and expected (``ledger.Collective.pattern``)
+    patterns: dict[str, Tally] = dataclasses.field(default_factory=dict)
+    expected_patterns: dict[str, Tally] = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         key = (self.kind, self.axes)
         want = {key: Tally(self.expected_count, self.expected_bytes_sent)}
         got = {key: Tally(self.count, self.bytes_sent)}
-        return not cost.compare(want, got, RTOL, exact=self.exact)
+        if cost.compare(want, got, RTOL, exact=self.exact):
+            return False
+        if not (self.patterns and self.expected_patterns):
+            return True
+        return not cost.compare_patterns(
+            {key: self.expected_patterns}, {key: self.patterns}, (), RTOL
+        )
+
+    @property
+    def pattern(self) -> str:
+        """The measured patterns other than plain axis groups: ``shift +1 ×20, shift -1 ×20``."""
+        shown = [f"{p} ×{t.count}" for p, t in sorted(self.patterns.items()) if p != GROUPS]
+        return ", ".join(shown)
 
     def to_json(self) -> dict[str, Any]:
         fields = ("kind", "count", "bytes_sent", "expected_count", "expected_bytes_sent")
-        return {"axes": list(self.axes), **{f: getattr(self, f) for f in fields}, "ok": self.ok}
+
+        def tallies(by: dict[str, Tally]) -> dict[str, Any]:
+            return {p: {"count": t.count, "bytes_sent": t.bytes_sent} for p, t in by.items()}
+
+        return {
+            "axes": list(self.axes),
+            **{f: getattr(self, f) for f in fields},
+            "patterns": tallies(self.patterns),
+            "expected_patterns": tallies(self.expected_patterns),
+            "ok": self.ok,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,13 +111,15 @@ class Report:
     def rows(self) -> tuple[Row, ...]:
         """One row per (kind, axes) measured or expected, in ``ledger.KINDS`` order."""
         got, want = self.ledger.summary(), self.expectation.summary()
+        got_p, want_p = self.ledger.patterns(), self.expectation.patterns()
         zero = Tally(0, 0.0)
         keys = sorted(set(got) | set(want), key=_row_order)
         exact = self.expectation.exact
         return tuple(
-            Row(k[0], k[1], *_pair(got.get(k, zero)), *_pair(want.get(k, zero)), exact)
+            Row(k[0], k[1], *_pair(got.get(k, zero)), *_pair(want.get(k, zero)), exact,
+                got_p.get(k, {}), want_p.get(k, {}))
             for k in keys
-        )
+        )  # fmt: skip
 
     @property
     def measured_bytes_sent(self) -> float:
@@ -115,8 +142,9 @@ class Report:
     @property
     def mismatches(self) -> list[str]:
         """One sentence per (kind, axes) that breaks the contract; [] when it holds."""
-        e = self.expectation
-        own = cost.compare(e.summary(), self.ledger.summary(), RTOL, exact=e.exact)
+        e, led = self.expectation, self.ledger
+        own = cost.compare(e.summary(), led.summary(), RTOL, exact=e.exact)
+        own += cost.compare_patterns(e.patterns(), led.patterns(), led.collectives, RTOL)
         if not self.others:
             return own
         last = self.expectation.plan.size("stage") - 1
@@ -164,13 +192,14 @@ class Report:
     def format(self) -> str:
         """A table of measured vs expected per (kind, axes), totals, ratio, memory, verdict."""
         head = f"{'collective':<20}{'axes':<30}{'count':>7}{'expected':>9}{'bytes sent':>15}"
-        head += f"{'expected':>15}  ok"
+        head += f"{'expected':>15}  ok  pattern"
         lines = [_title(self.expectation), head, "-" * len(head)]
         for r in self.rows:
             axes = ",".join(r.axes) or "-"
             lines.append(
                 f"{r.kind:<20}{axes:<30}{r.count:>7}{r.expected_count:>9}{r.bytes_sent:>15,.0f}"
                 f"{r.expected_bytes_sent:>15,.0f}  {'✓' if r.ok else '✗'}"
+                + (f"  {r.pattern}" if r.pattern else "")
             )
         lines += [
             "-" * len(head),
@@ -280,10 +309,10 @@ def model_report(
     """The contract report of an existing ``ShardedViT`` (e.g. the one ``verify`` just ran, or
     the clipped step ``shardkit train`` runs)."""
     ledger = measure_step(model, batch, optimizer, clip_norm)
-    return _report(ledger, model.cfg, model.plan, batch, clip=clip_norm is not None)
+    return report_of(ledger, model.cfg, model.plan, batch, clip=clip_norm is not None)
 
 
-def _report(
+def report_of(
     ledger: Ledger, cfg: vit_ref.ViTConfig, plan: Plan, batch: int, **kwargs: Any
 ) -> Report:
     """The report of a measured step; under a pipeline one per stage (the last one shown)."""
@@ -359,7 +388,7 @@ def inspect(
     ledger = measure_step(ShardedViT(cfg, plan), batch)
     if hlo_path is not None:
         pathlib.Path(hlo_path).write_text(ledger.hlo)
-    return _report(ledger, cfg, plan, batch, platform=platform)
+    return report_of(ledger, cfg, plan, batch, platform=platform)
 
 
 # ----------------------------------------------------------------------------- XLA auto
