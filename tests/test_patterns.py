@@ -32,8 +32,10 @@ W = 4  # float32
 
 
 def _on_seq(body: Callable[[jax.Array], jax.Array], rows: int = 2, cols: int = 4) -> Any:
-    """(jitted fn, its input): body on x[R_seq, C] blocks of [rows, cols] float32."""
-    fn = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=P("seq"), out_specs=P("seq")))
+    """(jitted fn, its input): body on x[R_seq, C] blocks of [rows, cols] float32 (the output
+    laid out over seq and model, so a body may also move blocks over model)."""
+    out = P(("seq", "model"))
+    fn = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=P("seq"), out_specs=out, check_vma=False))
     x = np.arange(N * rows * cols, dtype=np.float32).reshape(N * rows, cols)
     return fn, jax.device_put(x, NamedSharding(MESH, P("seq")))
 
@@ -148,10 +150,10 @@ WRONG = {
         _minus_one_ring_all_gather,
         [_ring(1, BLOCK)],
         "collective-permute over seq: expected pattern shift +1: 3 ops, 96 B, measured "
-        "shift -1: 3 ops, 96 B (collective-permute",
+        "shift -1: 3 ops, 96 B (ppermute",
     ),
     "a permute over the wrong axis": (
-        lambda x: coll.ring_shift(x, "model"),
+        lambda x: coll.ring_shift(x, "model"),  # its output varies over model too: see _on_seq
         [_ring(1, BLOCK, 1)],
         "collective-permute over model: 1 ops measured, 0 expected.",
     ),
@@ -195,3 +197,19 @@ def test_pattern_of_names_axis_groups_shifts_and_anything_else_explicitly() -> N
     assert ledger.pattern_of((), back, ("data", "model"), mesh) == "shift -1"
     assert ledger.pattern_of((), ((0, 1), (1, 3)), ("data", "model"), mesh) == "pairs 0>1 1>3"
     assert ledger.shift(3, 4) == "shift -1" and ledger.shift(2, 4) == "shift +2"
+
+
+def test_link_bytes_show_each_direction_of_each_link() -> None:
+    """What ``inspect --plot`` draws per link: a bidirectional ring loads i → i+1 and i+1 → i
+    alike; the one-way version of the same bytes loads one direction twice and leaves the other
+    idle."""
+    from shardkit.comm.plot import link_bytes
+
+    both = link_bytes(contract.measure(*_on_seq(CLAIMS["bidir_all_gather"][0])), MESH.size)
+    one = link_bytes(contract.measure(*_on_seq(_one_way_bidir_all_gather)), MESH.size)
+    half = (N - 1) * BLOCK / 2  # each direction of a ring link: n−1 hops of half a block
+    assert {(i, j): (f, b) for i, j, f, b in both} == {
+        (0, 2): (half, half), (2, 4): (half, half), (4, 6): (half, half), (0, 6): (half, half),
+        (1, 3): (half, half), (3, 5): (half, half), (5, 7): (half, half), (1, 7): (half, half),
+    }  # fmt: skip
+    assert sorted((f, b) for *_, f, b in one) == [(0.0, 2 * half)] * 2 + [(2 * half, 0.0)] * 6

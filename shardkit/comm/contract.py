@@ -67,7 +67,6 @@ class Expected:
     bytes_sent: float
     why: str = ""
     pattern: str = GROUPS
-    fused: None = None  # never fused: ``cost.patterns_of`` counts every declared op
 
 
 def _expected(
@@ -162,16 +161,23 @@ def differences(
 
 
 def format_diff(ledger: Ledger, expected: Sequence[Expected]) -> str:
-    """Declared vs measured, one row per (kind, axes), the rows that differ marked ✗."""
+    """Declared vs measured, one row per (kind, axes), the rows that differ (in ops, bytes or
+    pattern) marked ✗, with the measured patterns other than axis groups."""
     want, got = summary(expected), _measured(ledger)
+    want_p, got_p = patterns_of(expected), ledger.patterns()
     lines = [f"{'collective':<20}{'axes':<20}{'count':>7}{'declared':>10}{'bytes':>14}"
-             f"{'declared':>14}"]  # fmt: skip
+             f"{'declared':>14}  ok  pattern"]  # fmt: skip
     for key in sorted(set(want) | set(got)):
         w, g = want.get(key, Tally(0, 0.0)), got.get(key, Tally(0, 0.0))
-        mark = "✓" if not compare({key: w}, {key: g}) else "✗"
+        wrong = compare({key: w}, {key: g}) or compare_patterns(
+            {key: want_p.get(key, {})}, {key: got_p.get(key, {})}, ()
+        )
+        shown = ", ".join(f"{p} ×{t.count}" for p, t in sorted(got_p.get(key, {}).items())
+                          if p != GROUPS)  # fmt: skip
         lines.append(
             f"{key[0]:<20}{','.join(key[1]):<20}{g.count:>7}{w.count:>10}"
-            f"{g.bytes_sent:>14,.0f}{w.bytes_sent:>14,.0f}  {mark}"
+            f"{g.bytes_sent:>14,.0f}{w.bytes_sent:>14,.0f}  {'✗' if wrong else '✓'}"
+            + (f"   {shown}" if shown else "")
         )
     return "\n".join(lines)
 

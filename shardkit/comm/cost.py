@@ -222,11 +222,11 @@ def compare(
 
 def patterns_of(terms: Iterable[Term] | Iterable[Any]) -> dict[Key, dict[str, Tally]]:
     """(kind, axes) -> pattern -> ops and bytes of the terms (fused ones once per group);
-    ``contract.Expected`` records count too."""
+    ``contract.Expected`` records (never fused) count too."""
     out: dict[Key, dict[str, Tally]] = {}
     seen: set[tuple[str, Axes, str, str]] = set()
     for term in terms:
-        key, fused = (term.kind, term.axes), term.fused
+        key, fused = (term.kind, term.axes), getattr(term, "fused", None)
         count = term.count
         if fused is not None:
             count = 0 if (*key, term.pattern, fused) in seen else 1

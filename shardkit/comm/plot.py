@@ -8,6 +8,9 @@
   follows its measured source → target pairs);
 * bars of bytes sent per device per step for each (collective, axes), measured beside
   expected (``shardkit.cost``);
+* the bytes on every link that carries any, each direction its own bar (``link_bytes``): a
+  one-way ring loads i → i+1 and leaves i+1 → i idle, a bidirectional one loads both halves
+  alike;
 * one panel per (collective, axes) present: the devices of one group on a circle, labelled
   with their mesh coordinates, and the arrows of ONE step of the collective (a ring step, the
   all-to-all exchange, or the permute's measured pairs).
@@ -25,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from shardkit.comm.cost import geometry
-from shardkit.comm.ledger import Collective
+from shardkit.comm.ledger import Collective, Ledger
 from shardkit.comm.report import Report
 
 MEASURED, EXPECTED = "#3b6ea8", "#c9a227"
@@ -43,14 +46,29 @@ def _pyplot() -> Any:
     return plt
 
 
-def traffic_matrix(report: Report) -> np.ndarray:
-    """[devices, devices] bytes device i sends to device j per step (ring model, see module)."""
-    n = report.expectation.plan.num_devices
+def traffic_matrix(report: Report | Ledger, devices: int | None = None) -> np.ndarray:
+    """[devices, devices] bytes device i sends to device j per step (ring model, see module);
+    of a ``Report`` (its plan's devices) or of any ``Ledger`` (``devices`` given)."""
+    ledger = report if isinstance(report, Ledger) else report.ledger
+    n = devices if isinstance(report, Ledger) else report.expectation.plan.num_devices
+    if n is None:
+        raise ValueError("traffic_matrix of a Ledger needs devices=<the mesh's device count>.")
     out = np.zeros((n, n))
-    for c in report.ledger.collectives:
+    for c in ledger.collectives:
         for src, dst, nbytes in _sends(c):
             out[src, dst] += nbytes * c.count
     return out
+
+
+def link_bytes(
+    report: Report | Ledger, devices: int | None = None
+) -> list[tuple[int, int, float, float]]:
+    """(i, j, bytes i → j, bytes j → i) per step for every device pair i < j that exchanges
+    any: ``traffic_matrix`` read link by link, each direction separately."""
+    m = traffic_matrix(report, devices)
+    n = m.shape[0]
+    return [(i, j, m[i, j], m[j, i]) for i in range(n) for j in range(i + 1, n)
+            if m[i, j] or m[j, i]]  # fmt: skip
 
 
 def _sends(c: Collective) -> list[tuple[int, int, float]]:
@@ -78,13 +96,14 @@ def plot_report(report: Report, path: str | pathlib.Path) -> pathlib.Path:
     patterns = _pattern_examples(report)
     counts = {key: t.count for key, t in report.ledger.summary().items()}
     cols = 3
-    rows = 1 + math.ceil(len(patterns) / cols)
+    rows = 2 + math.ceil(len(patterns) / cols)
     fig = plt.figure(figsize=(5.2 * cols, 4.6 * rows), layout="constrained")
     grid = fig.add_gridspec(rows, cols)
     _draw_matrix(fig.add_subplot(grid[0, 0]), report, fig)
     _draw_bars(fig.add_subplot(grid[0, 1:]), report)
+    _draw_links(fig.add_subplot(grid[1, :]), report)
     for i, c in enumerate(patterns):
-        _draw_pattern(fig.add_subplot(grid[1 + i // cols, i % cols]), c, report, counts)
+        _draw_pattern(fig.add_subplot(grid[2 + i // cols, i % cols]), c, report, counts)
     fig.suptitle(_title(report), fontsize=11)
     path = pathlib.Path(path)
     fig.savefig(path, dpi=90)
@@ -149,6 +168,21 @@ def _draw_bars(ax: Any, report: Report) -> None:
     ax.set_title("bytes per collective: measured vs expected (ops per step)")
     ax.legend(loc="best", fontsize=8)
     ax.margins(x=0.25)
+
+
+def _draw_links(ax: Any, report: Report) -> None:
+    links = link_bytes(report)
+    x = np.arange(len(links))
+    up = [f / 1e6 for _, _, f, _ in links]
+    down = [b / 1e6 for _, _, _, b in links]
+    ax.bar(x - 0.2, up, 0.4, color=MEASURED, label="i → j (lower to higher device)")
+    ax.bar(x + 0.2, down, 0.4, color="#9bb7d4", label="j → i")
+    ax.set_xticks(x, [f"{i}↔{j}" for i, j, _, _ in links], fontsize=7, rotation=90)
+    ax.set_ylabel("MB per step")
+    ax.set_ylim(0, 1.3 * max([*up, *down, 1e-9]))  # room for the legend above the bars
+    ax.set_title("bytes on each link, each direction (permutes: measured pairs; all-reduce, "
+                 "all-gather, reduce-scatter: ring order of their groups)", fontsize=9)  # fmt: skip
+    ax.legend(loc="best", fontsize=8)
 
 
 _SHORT = {"data": "d", "seq": "s", "model": "m", "seq_ring": "sr", "seq_ulysses": "su"}
