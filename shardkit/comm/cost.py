@@ -70,7 +70,7 @@ import jax
 import vit_ref
 from shardkit.comm.ledger import GROUPS, Collective, Tally, shift
 from shardkit.mesh import AXES, Plan
-from shardkit.models.vit import check_plan, row_leaves, schedule, ulysses_factor
+from shardkit.models.vit import check_plan, param_axes, row_leaves, schedule, ulysses_factor
 from shardkit.parallel import pipeline
 from shardkit.parallel.sequence import SEQ_RING, SEQ_ULYSSES, USP_AXES
 
@@ -703,7 +703,7 @@ def param_leaves(g: Geometry) -> list[Leaf]:
     if g.plan.pp != "none":
         rules["layers"] = "stage"
     shapes = jax.eval_shape(lambda: vit_ref.init(jax.random.key(0), g.cfg))
-    names = jax.tree.leaves(vit_ref.param_axes(g.cfg), is_leaf=lambda x: isinstance(x, tuple))
+    names = jax.tree.leaves(param_axes(g.cfg, g.plan), is_leaf=lambda x: isinstance(x, tuple))
     leaves = []
     for (path, shape), logical in zip(
         jax.tree_util.tree_leaves_with_path(shapes), names, strict=True

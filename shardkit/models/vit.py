@@ -303,39 +303,65 @@ def make_layout(cfg: vit_ref.ViTConfig, plan: Plan, devices: Any = None) -> Layo
     return Layout(mesh, token_axes, attention, cfg.num_tokens, padded)
 
 
+def tokens_split(plan: Plan) -> bool:
+    """Whether ``plan`` splits the token dim (sequence parallelism, or Megatron-SP over model)."""
+    return plan.size("seq") > 1 or (plan.sp == "megatron" and plan.size("model") > 1)
+
+
+def param_axes(cfg: vit_ref.ViTConfig, plan: Plan) -> Params:
+    """``vit_ref.param_axes``, except under FSDP (ZeRO-3) with tokens split, where the row
+    leaves (``row_leaves``) stay whole instead of split over data: each token shard's gradient
+    there is its own rows, gathered over the token axes; split over data, every row would be
+    gathered and reduce-scattered over data too (2(n_d−1)/n_d·T·d·w where t rows carry
+    anything). Their params are T·d + d floats."""
+    axes = vit_ref.param_axes(cfg)
+    if plan.zero != 3 or not tokens_split(plan):
+        return axes
+    whole = {
+        name: tuple(None if a == "embed" else a for a in axes[name]) for name in row_leaves(cfg)
+    }
+    return {**axes, **whole}
+
+
 def param_specs(cfg: vit_ref.ViTConfig, plan: Plan) -> Params:
-    """PartitionSpecs of every param leaf, from ``vit_ref.param_axes`` and ``rules(plan)``."""
-    return logical_specs(vit_ref.param_axes(cfg), rules(plan))
+    """PartitionSpecs of every param leaf, from ``param_axes`` and ``rules(plan)``."""
+    return logical_specs(param_axes(cfg, plan), rules(plan))
 
 
 def state_specs(cfg: vit_ref.ViTConfig, plan: Plan) -> Params:
     """PartitionSpecs of the optimizer state's param-shaped leaves (``state_rules(plan)``)."""
-    return logical_specs(vit_ref.param_axes(cfg), state_rules(plan))
+    return logical_specs(param_axes(cfg, plan), state_rules(plan))
 
 
 def zero_replicated(cfg: vit_ref.ViTConfig, plan: Plan) -> str | None:
-    """One sentence naming the leaves ZeRO-1/2 keep whole, with their optimizer state (those
-    with no embed dim for data to split: not an error, their state is small), or None."""
-    if plan.zero not in (1, 2):
-        return None
+    """One sentence naming the leaves a ZeRO level keeps whole on every device (not an error:
+    the right call), or None. ZeRO-1/2: those with no embed dim for data to split, with their
+    optimizer state (small). FSDP with tokens split: the row leaves (``param_axes`` says why)."""
     shapes = jax.eval_shape(lambda: vit_ref.init(jax.random.key(0), cfg))
-    names = jax.tree.leaves(vit_ref.param_axes(cfg), is_leaf=lambda x: isinstance(x, tuple))
-    whole, total = [], 0
-    for (path, shape), logical in zip(
-        jax.tree_util.tree_leaves_with_path(shapes), names, strict=True
-    ):
-        total += shape.size
-        if "embed" not in logical:
-            whole.append((sharded.leaf_path(path), shape.size))
+    sizes = {sharded.leaf_path(path): shape.size
+             for path, shape in jax.tree_util.tree_leaves_with_path(shapes)}  # fmt: skip
+    total = sum(sizes.values())
+    if plan.zero in (1, 2):
+        names = jax.tree.leaves(vit_ref.param_axes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+        whole = [name for name, logical in zip(sizes, names, strict=True) if "embed" not in logical]
+        why = (
+            f"with their optimizer state{' and gradients' if plan.zero == 2 else ''}, as they "
+            "have no embed dim for data to split"
+        )
+    elif plan.zero == 3 and tokens_split(plan):
+        whole = [name for name in row_leaves(cfg) if name in sizes]
+        why = (
+            "as with tokens split each token shard's gradient is its own rows, gathered over the "
+            "token axes, where a split over data would gather and reduce-scatter every row"
+        )
+    else:
+        return None
     if not whole:
         return None
-    kept = sum(size for _, size in whole)
+    kept = sum(sizes[name] for name in whole)
     return (
-        f"ZeRO-{plan.zero} keeps {len(whole)} leaves whole on every device, with their "
-        f"optimizer state{' and gradients' if plan.zero == 2 else ''}, as they have no embed "
-        "dim for data to split: "
-        f"{', '.join(name for name, _ in whole)} ({kept:,} of {total:,} params, "
-        f"{kept / total:.1%})."
+        f"ZeRO-{plan.zero} keeps {len(whole)} leaves whole on every device, {why}: "
+        f"{', '.join(whole)} ({kept:,} of {total:,} params, {kept / total:.1%})."
     )
 
 
@@ -568,7 +594,7 @@ class ShardedViT(sharded.ShardedModel):
         self.batch_spec = P("data") if plan.size("data") > 1 else P()
         super().__init__(
             self.layout.mesh,
-            vit_ref.param_axes(cfg),
+            param_axes(cfg, plan),
             state_rules(plan),
             self._loss_local,
             batch_specs=(self.batch_spec, self.batch_spec),
