@@ -1,8 +1,10 @@
 """Communication contracts: every compiled train step sends exactly what shardkit.cost says.
 
-For every strategy of ``shardkit.verify.default_matrix()`` (and a few more compositions) the
-full train step (forward, backward, AdamW update) is compiled — never run — and its ledger
-must equal the analytic expectation: the same op count per (kind, axes) and bytes within 1%.
+For compositions beyond ``shardkit.verify.default_matrix()`` (whose every strategy
+``tests/test_cli.py::test_verify_default_matrix_passes`` holds to its contract through
+``shardkit verify``) the full train step (forward, backward, AdamW update) is compiled — never
+run — and its ledger must equal the analytic expectation: the same op count per (kind, axes),
+bytes within 1%, and the same patterns.
 Then the check is shown to bite: a stray all-gather (a closed-over sharded array) or an extra
 psum fails it, and naive autodiff over separate q, k, v projections sends the bytes DESIGN.md
 measured (22.47 MB) against the 18.21 MB minimum that ShardedViT meets.
@@ -82,11 +84,6 @@ def assert_contract(rep: report.Report) -> None:
 
 
 # --------------------------------------------------------------------------- the contracts
-
-
-@pytest.mark.parametrize("name", list(MATRIX))
-def test_every_matrix_strategy_meets_its_contract(name):
-    assert_contract(case_report(name))
 
 
 @pytest.mark.parametrize("name", list(COMPOSITIONS))

@@ -17,6 +17,7 @@ import uuid
 import pytest
 
 from shardkit import cli
+from shardkit.run.launch import free_port
 
 LIMIT_S = 240  # hard bound per launch: kills launch's session (it kills its children)
 
@@ -219,10 +220,20 @@ def test_a_one_process_checkpoint_resumes_over_two_processes(tmp_path, capsys) -
     assert alive_with(marker) == []
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def by_hand(argv: list[str], marker: str, **env: str) -> list[subprocess.Popen]:
+    """``python argv`` as 2 processes started by hand (no ``launch``): the SHARDKIT_* variables
+    of one multi-controller run, each process in its own session; stderr piped, and stdout
+    too where ``argv`` is a script (``-c``)."""
+    port = free_port()
+    out = subprocess.PIPE if argv[0] == "-c" else subprocess.DEVNULL
+    return [
+        subprocess.Popen([sys.executable, *argv], stdout=out, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, env=os.environ | env | {
+                             "SHARDKIT_TEST_MARK": marker,
+                             "SHARDKIT_COORDINATOR": f"127.0.0.1:{port}",
+                             "SHARDKIT_NUM_PROCESSES": "2", "SHARDKIT_PROCESS_ID": str(index)})
+        for index in (0, 1)
+    ]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -232,18 +243,10 @@ def test_processes_started_by_hand_end_when_a_peer_dies(victim, tmp_path) -> Non
     peer dies the survivor is aborted by the JAX distributed service within the heartbeat
     (5 s here; 3.1 s measured when process 1 dies, 0.2 s when the coordinator does), with its
     message naming the unhealthy task."""
-    heartbeat, port, marker = 5, free_port(), uuid.uuid4().hex
-    procs = []
-    for index in (0, 1):
-        env = os.environ | {"SHARDKIT_TEST_MARK": marker, "SHARDKIT_COORDINATOR":
-                            f"127.0.0.1:{port}", "SHARDKIT_NUM_PROCESSES": "2",
-                            "SHARDKIT_PROCESS_ID": str(index), "SHARDKIT_HEARTBEAT_S":
-                            str(heartbeat)}  # fmt: skip
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "shardkit.cli", "train", "--mesh", "data=8", "--steps",
-             "100000", "--batch", "32", "--cache", "none", "--out", str(tmp_path / "run")],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            start_new_session=True))  # fmt: skip
+    heartbeat, marker = 5, uuid.uuid4().hex
+    train = ["-m", "shardkit.cli", "train", "--mesh", "data=8", "--steps", "100000", "--batch",
+             "32", "--cache", "none", "--out", str(tmp_path / "run")]  # fmt: skip
+    procs = by_hand(train, marker, SHARDKIT_HEARTBEAT_S=str(heartbeat))
     try:
         metrics = tmp_path / "run" / "metrics.jsonl"
         deadline = time.monotonic() + LIMIT_S
@@ -263,4 +266,51 @@ def test_processes_started_by_hand_end_when_a_peer_dies(victim, tmp_path) -> Non
     assert survivor.returncode != 0
     assert ended_in < heartbeat + 5, ended_in
     assert "another task died" in err
+    assert alive_with(marker) == []
+
+
+RESTORE_OVER_TWO = """
+import pathlib, sys
+from shardkit.mesh import Processes, to_host
+Processes.from_env().join(8)
+import jax, numpy as np
+sys.path.insert(0, sys.argv[1])
+import test_checkpoint as tc
+from shardkit.run import checkpoint
+target = tc.state_of(tc.RESTORED["2×2×2 ring"], seed=1)
+restored = checkpoint.restore(pathlib.Path(sys.argv[2]), 2, checkpoint.abstract_like(target))
+expected = to_host(tc.state_of(tc.SAVED))
+leaves = list(zip(jax.tree.leaves(restored), jax.tree.leaves(expected), jax.tree.leaves(target)))
+assert all(np.array_equal(to_host(got), want) for got, want, _ in leaves), "values differ"
+assert all(got.sharding == like.sharding for got, _, like in leaves), "placement differs"
+assert any(not got.is_fully_addressable for got, _, _ in leaves), "nothing spans processes"
+print(f"process {jax.process_index()}: {len(leaves)} leaves bitwise, placed by the new plan")
+"""
+
+
+@pytest.mark.slow
+def test_a_one_process_checkpoint_restores_bitwise_over_two_processes(tmp_path) -> None:
+    """Saved by 1 process × 8 under data=4,model=2; restored by 2 processes × 4 (started by
+    hand) under a 2×2×2 ring: every leaf bitwise, with the ring plan's sharding across both."""
+    import test_checkpoint as tc
+
+    from shardkit.run import checkpoint
+
+    saver = checkpoint.Checkpointer(tmp_path / "ckpt", every=1, keep=2)
+    for step in (1, 2):
+        saver.save(step, tc.state_of(tc.SAVED), {"step": step})
+    saver.close()
+    marker = uuid.uuid4().hex
+    script = ["-c", RESTORE_OVER_TWO, str(pathlib.Path(__file__).parent), str(tmp_path / "ckpt")]
+    procs = by_hand(script, marker)
+    try:
+        outs = [p.communicate(timeout=LIMIT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    for index, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, err[-2000:]
+        assert f"process {index}: " in out and "leaves bitwise, placed by the new plan" in out
     assert alive_with(marker) == []
