@@ -360,7 +360,13 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax_b.bar(x + (i - 1) * 0.27, [1e-6 * (r[key] or 0) for r in rows], 0.27, label=label)
     ax_b.set(ylabel="MB sent per device per step")
     ax_b.legend()
-    ax_b.set_xticks(x, [f"{r['strategy']}\n{_short_mesh(r['mesh'])}" for r in rows], fontsize=8)
+    ax_b.set_xticks(
+        x,
+        [f"{r['strategy']}\n{_short_mesh(r['mesh'])}" for r in rows],
+        fontsize=8,
+        rotation=30,
+        ha="right",
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
