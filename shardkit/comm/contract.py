@@ -42,7 +42,7 @@ from shardkit.comm.cost import (
     permute_bytes,
     reduce_scatter_bytes,
 )
-from shardkit.comm.ledger import GROUPS, AnyMesh, Ledger, Tally, measure, shift
+from shardkit.comm.ledger import GROUPS, AnyMesh, Ledger, Tally, measure, shift, shown_patterns
 
 Axes = tuple[str, ...]
 
@@ -118,7 +118,7 @@ def permute(
     ``n``: the devices along ``axes``. Pass it where ``step`` is not within (−n/2, n/2]: on
     2 devices +1 and −1 are the same permutation, measured as "shift +1".
     """
-    pattern = shift(step, n if n else 2 * abs(step) + 1)
+    pattern = shift(step, n)
     return _expected("collective-permute", axes, permute_bytes(v), count, why, pattern)
 
 
@@ -172,8 +172,7 @@ def format_diff(ledger: Ledger, expected: Sequence[Expected]) -> str:
         wrong = compare({key: w}, {key: g}) or compare_patterns(
             {key: want_p.get(key, {})}, {key: got_p.get(key, {})}, ()
         )
-        shown = ", ".join(f"{p} ×{t.count}" for p, t in sorted(got_p.get(key, {}).items())
-                          if p != GROUPS)  # fmt: skip
+        shown = shown_patterns(got_p.get(key, {}))
         lines.append(
             f"{key[0]:<20}{','.join(key[1]):<20}{g.count:>7}{w.count:>10}"
             f"{g.bytes_sent:>14,.0f}{w.bytes_sent:>14,.0f}  {'✗' if wrong else '✓'}"

@@ -767,13 +767,20 @@ def _linked_size(pairs: tuple[tuple[int, int], ...]) -> int:
 GROUPS = "axis groups"
 
 
-def shift(step: int, n: int) -> str:
+def shift(step: int, n: int | None = None) -> str:
     """The pattern of a cyclic shift by ``step`` over n devices: "shift +1", "shift -1", ...
 
-    Normalised to (−n/2, n/2]: on two devices +1 and −1 are the same permutation ("shift +1").
+    Normalised to (−n/2, n/2] when ``n`` is given: on two devices +1 and −1 are the same
+    permutation ("shift +1").
     """
-    k = step % n
-    return f"shift {k if 2 * k <= n else k - n:+d}"
+    k = step if n is None else step % n
+    return f"shift {k if n is None or 2 * k <= n else k - n:+d}"
+
+
+def shown_patterns(by: dict[str, Tally]) -> str:
+    """The patterns of ``by`` other than plain axis groups, with their ops: ``shift +1 ×20,
+    shift -1 ×20`` ("" when every op runs on its axes' groups)."""
+    return ", ".join(f"{p} ×{t.count}" for p, t in sorted(by.items()) if p != GROUPS)
 
 
 def pattern_of(

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 import vit_ref
 from shardkit.comm import cost
-from shardkit.comm.ledger import GROUPS, KINDS, Ledger, Tally, measure
+from shardkit.comm.ledger import KINDS, Ledger, Tally, measure, shown_patterns
 from shardkit.mesh import Plan, format_mesh, make_mesh
 from shardkit.models.sharded import opt_state_layout
 from shardkit.models.vit import ShardedViT, check_plan, param_specs, schedule, state_specs
@@ -75,8 +75,7 @@ class Row:
     @property
     def pattern(self) -> str:
         """The measured patterns other than plain axis groups: ``shift +1 ×20, shift -1 ×20``."""
-        shown = [f"{p} ×{t.count}" for p, t in sorted(self.patterns.items()) if p != GROUPS]
-        return ", ".join(shown)
+        return shown_patterns(self.patterns)
 
     def to_json(self) -> dict[str, Any]:
         fields = ("kind", "count", "bytes_sent", "expected_count", "expected_bytes_sent")
