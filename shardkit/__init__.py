@@ -1,24 +1,24 @@
-"""shardkit: hand-written tensor, sequence and data parallelism in JAX ``shard_map``.
+"""shardkit: hand-written tensor, sequence, data and pipeline parallelism in JAX ``shard_map``.
 
-Layers (each imports only the ones below it; primitives assume no particular model):
+Layers (``cli → run → models → {comm, parallel} → mesh``; each imports only those below it,
+docs/design.md says where new code goes):
   mesh         CPU devices, ``data × stage × seq × model`` meshes, the ``Plan``
-  parallel/    collectives, tensor, sequence, data, schedules + pipeline: primitives for
-               shard_map bodies
-  models/      sharded: ``ShardedModel``, any model's specs, sync, optimizer layout and
-               train step from logical axes; vit: ``ShardedViT``, vit_ref's model on it
-  comm/        ledger (collectives measured from compiled HLO), cost, report, plot
-  run/         verify (sharded == reference), train
-  testing      tree comparison and hypothesis strategies for your own models
-  cli          the ``shardkit`` command
+  parallel/    primitives for shard_map bodies, model-free: vma typing, collectives, tensor,
+               data, sequence/ (blockwise, ring, Ulysses/USP, layouts, modes), pipeline/
+               (schedules, tables, engine)
+  comm/        any program's communication: hlo (parser), ledger, bytes (ring formulas),
+               terms, contract, report, plot — no model
+  models/      sharded: ``ShardedModel`` for any model; vit/: ``ShardedViT``, its plan, cost
+               model, report and test strategies
+  run/         what each command does: verify, inspect, train, bench, launch, checkpoints
+  testing      tree comparison and mesh strategies for your own models (imports hypothesis:
+               import it explicitly; ``import shardkit`` does not)
+  cli          the ``shardkit`` command: parsing and printing only
 
-The flat module paths of earlier releases (``shardkit.collectives``, ``shardkit.vit``,
-``shardkit.ledger``, ...) stay importable: ``_MOVED`` registers each as an alias of the module
-itself (the same object, so ``from shardkit.vit import X`` and monkeypatching both work).
+This module imports no runner and no test library.
 """
 
-import sys
-
-from shardkit.comm import cost, ledger, plot, report
+from shardkit.comm import contract, ledger, report
 from shardkit.mesh import (
     AXES,
     SP_MODES,
@@ -33,7 +33,7 @@ from shardkit.mesh import (
 from shardkit.models import sharded, vit
 from shardkit.models.sharded import ShardedModel
 from shardkit.models.vit import ShardedViT, check_plan
-from shardkit.parallel import collectives, data, pipeline, schedules, sequence, tensor
+from shardkit.parallel import collectives, data, pipeline, sequence, tensor, vma
 from shardkit.parallel.collectives import (
     all_gather,
     all_reduce,
@@ -52,22 +52,7 @@ from shardkit.parallel.collectives import (
     ring_reduce_scatter,
     ring_shift,
 )
-from shardkit.run import verify
-
-_MOVED = {
-    "collectives": collectives,
-    "tensor": tensor,
-    "sequence": sequence,
-    "data": data,
-    "vit": vit,
-    "ledger": ledger,
-    "cost": cost,
-    "report": report,
-    "plot": plot,
-    "verify": verify,
-}
-for _name, _module in _MOVED.items():
-    sys.modules[f"{__name__}.{_name}"] = _module
+from shardkit.parallel.pipeline import schedules
 
 __all__ = [
     "AXES",
@@ -85,7 +70,11 @@ __all__ = [
     "bidir_all_reduce",
     "bidir_reduce_scatter",
     "check_plan",
+    "collectives",
+    "contract",
+    "data",
     "format_mesh",
+    "ledger",
     "logical_specs",
     "make_mesh",
     "megatron_f",
@@ -94,11 +83,16 @@ __all__ = [
     "permute",
     "pipeline",
     "reduce_scatter",
+    "report",
     "ring_all_gather",
     "ring_all_reduce",
     "ring_reduce_scatter",
     "ring_shift",
     "schedules",
+    "sequence",
     "set_cpu_devices",
     "sharded",
+    "tensor",
+    "vit",
+    "vma",
 ]

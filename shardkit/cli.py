@@ -1,6 +1,6 @@
 """The ``shardkit`` command: ``verify`` (sharded == reference), ``inspect`` (the ledger) and
-``train`` (a real training run). Argument parsing and error reporting only; the work is in
-``shardkit.run`` and ``shardkit.comm``.
+``train`` (a real training run), ``bench`` and ``launch``. Argument parsing, printing and error
+reporting only; every command's work is in ``shardkit.run``.
 
 Bad arguments print one line on stderr and exit 2; a failed verification or a diverged training
 run exits 1.
@@ -174,13 +174,10 @@ def model_config(
     args: argparse.Namespace, defaults: dict[str, Any] = DEFAULT_MODEL, head_zeroinit: bool = False
 ) -> Any:
     """The ViT from the model flags over ``defaults`` (verification draws a random head)."""
-    import vit_ref
+    from shardkit.run import config
 
     overrides = {k: getattr(args, k) for k in (*MODEL_FLAGS, "pool", "posemb", "dtype")}
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    if args.variant:
-        return vit_ref.variant(args.variant, head_zeroinit=head_zeroinit, **overrides)
-    return vit_ref.ViTConfig(**{**defaults, "head_zeroinit": head_zeroinit, **overrides})
+    return config.model_config(overrides, args.variant, defaults, head_zeroinit)
 
 
 def _plan_given(args: argparse.Namespace) -> bool:
@@ -211,13 +208,14 @@ def plan_from_args(args: argparse.Namespace) -> Any:
     return plan
 
 
-def _zero_notes(cfg: Any, plan: Any) -> None:
-    """One stderr line naming the leaves ZeRO-1/2 keep whole (not an error: the right call)."""
-    from shardkit.models.vit import zero_replicated
+def _check(cfg: Any, plan: Any, batch: int, note: bool = True) -> None:
+    """PlanError unless ``plan`` runs ``cfg``; then one stderr line naming the leaves ZeRO keeps
+    whole, if any (not an error: the right call)."""
+    from shardkit.run import config
 
-    note = zero_replicated(cfg, plan)
-    if note:
-        print(f"shardkit: note: {note}", file=sys.stderr)
+    message = config.check(cfg, plan, batch)
+    if message and note:
+        print(f"shardkit: note: {message}", file=sys.stderr)
 
 
 def _mesh_devices(spec: str | None) -> int:
@@ -267,7 +265,6 @@ def _native_stdout_to_devnull(keep_python_stdout: bool) -> None:
 
 def run_verify(args: argparse.Namespace) -> int:
     from shardkit.run import verify
-    from shardkit.run.launch import beat
 
     _setup_devices(args.devices)
     cfg = model_config(args)
@@ -276,47 +273,21 @@ def run_verify(args: argparse.Namespace) -> int:
     else:
         cases = verify.default_matrix(args.devices)
     for case in cases:  # every plan is checked before anything compiles
-        verify.check_plan(cfg, case.plan, args.batch)
-    if _plan_given(args):
-        _zero_notes(cfg, cases[0].plan)
-    if not args.json:
-        print(verify.format_header(), flush=True)
-    results = []
-    for case in cases:
-        results.append(verify.run_case(cfg, case, args.batch))
-        beat()
-        if not args.json:
-            print(verify.format_row(results[-1]), flush=True)
-    ok = all(r.ok for r in results)
-    if args.json:
-        print(json.dumps({"ok": ok, "cases": [r.to_json() for r in results]}))
-    else:
-        print(
-            f"{sum(r.ok for r in results)}/{len(results)} cases match vit_ref "
-            f"({cfg.dtype}, batch {args.batch})."
-        )
-    return 0 if ok else 1
+        _check(cfg, case.plan, args.batch, note=_plan_given(args))
+    return 0 if verify.run_cases(cfg, cases, args.batch, as_json=args.json, echo=print) else 1
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    import jax
-
-    from shardkit.comm import report
+    from shardkit.run import inspect
 
     _setup_devices(args.devices)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib: pip install 'shardkit[plot]'.")
     cfg = model_config(args)
     plan = plan_from_args(args)
-    report.check_plan(cfg, plan, args.batch)
-    _zero_notes(cfg, plan)
-    lead = jax.process_index() == 0  # across processes, files come from process 0 only
-    result = report.inspect(cfg, plan, args.batch, hlo_path=args.hlo if lead else None)
-    if args.plot and lead:
-        from shardkit.comm.plot import plot_report
-
-        plot_report(result, args.plot)
-    print(json.dumps(result.to_json()) if args.json else result.format())
+    _check(cfg, plan, args.batch)
+    print(inspect.run(cfg, plan, args.batch, as_json=args.json, hlo_path=args.hlo,
+                      plot_path=args.plot))  # fmt: skip
     return 0
 
 
@@ -355,7 +326,6 @@ def _train_setup(args: argparse.Namespace) -> tuple[Any, ...]:
     or is written."""
     import pathlib
 
-    from shardkit.models.vit import check_plan
     from shardkit.run import datasets, train
 
     opts = train.TrainOptions(
@@ -368,8 +338,7 @@ def _train_setup(args: argparse.Namespace) -> tuple[Any, ...]:
     ds = datasets.load(args.data)
     cfg = train_config(args, ds)
     plan = plan_from_args(args)
-    check_plan(cfg, plan, args.batch)
-    _zero_notes(cfg, plan)
+    _check(cfg, plan, args.batch)
     datasets.Loader(ds.train_images, ds.train_labels, args.batch, args.seed)  # batch fits data
     if args.resume:
         if not pathlib.Path(args.resume).is_dir():

@@ -1,8 +1,9 @@
 """Communication contracts for any program: declare the collectives a function must run, then
 hold its compiled HLO to them.
 
-``comm.cost`` derives the ViT's contract on paper; this module lets you write one for your own
-model. Declare each collective with the ring formulas (bytes SENT per device, DESIGN.md):
+A model's cost model (``models.vit.cost``) derives its contract on paper; this module lets
+you write one for your own model. Declare each collective with the ring formulas of
+``comm.bytes`` (bytes SENT per device, DESIGN.md):
 
   all_reduce(axes, V, n)       2(n−1)/n · V      V: the reduced array's bytes
   all_gather(axes, V, n)       (n−1)/n · V       V: the gathered OUTPUT's bytes
@@ -28,52 +29,30 @@ are not the axes' fail it, with the op and the expected and measured patterns na
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from shardkit.comm.cost import (
+from shardkit.comm.bytes import (
     all_gather_bytes,
     all_reduce_bytes,
     all_to_all_bytes,
-    compare,
-    compare_patterns,
-    patterns_of,
     permute_bytes,
     reduce_scatter_bytes,
 )
 from shardkit.comm.ledger import GROUPS, AnyMesh, Ledger, Tally, measure, shift, shown_patterns
+from shardkit.comm.terms import Term, compare, compare_patterns, patterns_of
 
 Axes = tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Expected:
-    """One declared collective (or ``count`` identical ones).
-
-    Attributes:
-      kind: a ``comm.ledger.KINDS`` name ("all-reduce", "all-gather", ...).
-      axes: the mesh axes its device groups span, in mesh order.
-      count: executions per call.
-      bytes_sent: bytes one device sends over all ``count`` executions.
-      why: what moves and why the program needs it.
-      pattern: how its devices are linked (``comm.ledger.pattern_of``): ``GROUPS``, or a
-        permute's ``shift(step, n)``.
-    """
-
-    kind: str
-    axes: Axes
-    count: int
-    bytes_sent: float
-    why: str = ""
-    pattern: str = GROUPS
+# One declared collective: a ``terms.Term`` (kind, axes, count, bytes_sent, what, pattern).
+Expected = Term
+END = "step end"  # the phase of collectives after the backward (the optimizer update's)
 
 
 def _expected(
     kind: str, axes: str | Iterable[str], each: float, count: int, why: str, pattern: str = GROUPS
 ) -> Expected:
     names = (axes,) if isinstance(axes, str) else tuple(axes)
-    return Expected(kind, names, count, count * each, why, pattern)
+    return Term(kind, names, count, count * each, why, pattern=pattern)
 
 
 def all_reduce(
@@ -143,7 +122,7 @@ def differences(
 
     Collectives whose groups hold one device (an axis of size 1) send nothing and are ignored.
     Where a (kind, axes) moves the declared ops and bytes, their split by pattern must match
-    too (``cost.compare_patterns``).
+    too (``terms.compare_patterns``).
     Unless ``implicit_ok``, every collective autodiff inserted for an implicit ``check_vma``
     cast (``Collective.origin == "implicit"``) is a difference too, with its source line: it
     means a reduction the program does not say it makes.
@@ -205,3 +184,32 @@ def assert_contract(
             + format_diff(ledger, expected)
         )
     return ledger
+
+
+def zero1_terms(
+    split_elements: int, replicated_elements: int, n: int, axis: str = "data", word: int = 4
+) -> list[Term]:
+    """ZeRO-1 (``data.zero1_update``): params replicated, optimizer state split over ``axis``.
+
+    ``dw{U_X} --ReduceScatter--> dw[I_X]``, update the local slice with the local state, then
+    ``w[I_X] --AllGather--> w[I]``: (n−1)/n·P·w + (n−1)/n·P·w = 2(n−1)/n·P·w, exactly one
+    all-reduce's bytes, with 1/n of the optimizer state per device. Leaves that cannot be split
+    (``replicated_elements``) are all-reduced whole. The formula for users of ``zero1_update`` in
+    their own step (the ViT's ``--zero 1/2`` terms are ``models.vit.cost_params.zero_terms``).
+
+    Args:
+      split_elements: elements of the leaves split over ``axis`` (full, before the split).
+      replicated_elements: elements of the leaves updated whole.
+      n: the size of ``axis``.
+      word: bytes per element (4: float32 gradients and params).
+    """
+    if n == 1:
+        return []
+    v, r = split_elements * word, replicated_elements * word
+    terms = [
+        Term("reduce-scatter", (axis,), 1, reduce_scatter_bytes(v, n), "gradient slices", END),
+        Term("all-gather", (axis,), 1, all_gather_bytes(v, n), "updated param slices", END),
+    ]
+    if r:
+        terms.append(Term("all-reduce", (axis,), 1, all_reduce_bytes(r, n), "unsplit", END))
+    return terms

@@ -53,10 +53,8 @@ Memory and flops (per device, as XLA reports them)
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import linecache
 import math
-import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -64,13 +62,26 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-_ASYNC_STARTS = {f"{kind}-start": kind for kind in KINDS}
-_NAMES_BY_BITS = {
-    0: "token", 2: "s2 u2", 4: "s4 u4", 8: "pred s8 u8", 16: "s16 u16 f16 bf16",
-    32: "s32 u32 f32", 64: "s64 u64 f64 c64", 128: "c128",
-}  # fmt: skip
-_DTYPE_BITS = {name: bits for bits, names in _NAMES_BY_BITS.items() for name in names.split()}
+from shardkit.comm import hlo
+from shardkit.comm.bytes import sent
+from shardkit.comm.hlo import KINDS
+
+__all__ = [
+    "GROUPS",
+    "KINDS",
+    "ORIGINS",
+    "Collective",
+    "Ledger",
+    "Memory",
+    "Tally",
+    "format_table",
+    "ledger_of",
+    "measure",
+    "parse_hlo",
+    "pattern_of",
+    "shift",
+    "shown_patterns",
+]
 
 AnyMesh = Mesh | AbstractMesh
 
@@ -348,14 +359,6 @@ def format_table(ledger: Ledger) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Instruction:
-    name: str
-    shape: str
-    opcode: str
-    attrs: str
-
-
-@dataclasses.dataclass(frozen=True)
 class _Context:
     mesh: AnyMesh | None
     num_devices: int | None
@@ -373,190 +376,34 @@ def parse_hlo(text: str, mesh: AnyMesh | None = None) -> list[Collective]:
     Returns:
       One :class:`Collective` per collective instruction that runs, in text order.
     """
-    computations, entry = _split_computations(text)
-    runs = _executions(computations, entry)
-    num_devices = mesh.size if mesh is not None else _header_devices(text)
-    ctx = _Context(mesh, num_devices, _stack_frames(text))
+    computations, entry = hlo.split_computations(text)
+    runs = hlo.executions(computations, entry)
+    num_devices = mesh.size if mesh is not None else hlo.header_devices(text)
+    ctx = _Context(mesh, num_devices, hlo.stack_frames(text))
     out = []
     for comp, instructions in computations.items():
         count, exact = runs.get(comp, (0, True))
         for instr in instructions if count else ():
-            kind = _kind(instr)
+            kind = hlo.collective_kind(instr)
             if kind is not None:
                 out.append(_collective(instr, kind, comp, count, exact, ctx))
     return out
 
 
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->.*)?\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-
-
-def _split_computations(text: str) -> tuple[dict[str, list[_Instruction]], str | None]:
-    """Computation name -> its instructions, and the name of the ENTRY computation."""
-    computations: dict[str, list[_Instruction]] = {}
-    entry, current = None, None
-    for line in text.splitlines():
-        if current is not None:
-            if line.strip().startswith("}"):  # also `}, execution_thread="..."`
-                current = None
-            elif (instr := _parse_instruction(line)) is not None:
-                computations[current].append(instr)
-            continue
-        header = _HEADER.match(line)
-        if header and not line.startswith("HloModule"):
-            current = header.group(2)
-            computations[current] = []
-            entry = current if header.group(1) else entry
-    return computations, entry
-
-
-def _parse_instruction(line: str) -> _Instruction | None:
-    match = _INSTRUCTION.match(line)
-    if match is None:
-        return None
-    rest = match.group(2)
-    if rest.startswith("("):  # tuple shape
-        end = _closing(rest, 0)
-        shape, rest = rest[: end + 1], rest[end + 1 :]
-    else:
-        shape, _, rest = rest.partition(" ")
-    op = re.match(r"\s*([\w\-]+)\(", rest)
-    if op is None:
-        return None
-    end = _closing(rest, op.end() - 1)
-    return _Instruction(match.group(1), shape, op.group(1), rest[end + 1 :])
-
-
-def _closing(text: str, start: int) -> int:
-    """Index of the bracket closing the one at ``text[start]`` (quoted strings skipped)."""
-    open_, close = text[start], {"(": ")", "[": "]", "{": "}"}[text[start]]
-    depth, quoted = 0, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if ch == '"' and text[i - 1] != "\\":
-            quoted = not quoted
-        elif not quoted and ch == open_:
-            depth += 1
-        elif not quoted and ch == close:
-            depth -= 1
-            if depth == 0:
-                return i
-    raise ValueError(f"Unbalanced {open_!r} in HLO text: {text[start : start + 80]!r}")
-
-
-def _header_devices(text: str) -> int | None:
-    partitions = re.search(r"\bnum_partitions=(\d+)", text)
-    replicas = re.search(r"\breplica_count=(\d+)", text)
-    if partitions is None and replicas is None:
-        return None
-    return int(partitions.group(1) if partitions else 1) * int(replicas.group(1) if replicas else 1)
-
-
-def _stack_frames(text: str) -> dict[int, str]:
-    """``stack_frame_id`` -> ``file:line`` from the module's FileNames/.../StackFrames tables."""
-    tables: dict[str, dict[int, str]] = {}
-    section = None
-    for line in text.splitlines():
-        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
-            section = line
-            tables[section] = {}
-        elif not line.strip():
-            section = None
-        elif section is not None and (row := re.match(r"(\d+) (.*)$", line)):
-            tables[section][int(row.group(1))] = row.group(2)
-    files = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
-    locations = {}
-    for k, v in tables.get("FileLocations", {}).items():
-        loc = re.search(r"file_name_id=(\d+).*?\bline=(\d+)", v)
-        if loc:
-            locations[k] = f"{files.get(int(loc.group(1)), '?')}:{loc.group(2)}"
-    frames = {}
-    for k, v in tables.get("StackFrames", {}).items():
-        frame = re.search(r"file_location_id=(\d+)", v)
-        if frame and int(frame.group(1)) in locations:
-            frames[k] = locations[int(frame.group(1))]
-    return frames
-
-
-# --------------------------------------------------------------------------- call graph
-
-_CALL = re.compile(
-    r"(?<![\w])(calls|to_apply|body|condition|true_computation|false_computation|"
-    r"branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)"
-)
-_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
-
-
-def _callees(instr: _Instruction) -> list[tuple[str, int, bool]]:
-    """(computation, runs per run of ``instr``, whether that number is known) per callee."""
-    if instr.opcode.endswith(("-update", "-done")):  # the start already called it
-        return []
-    trip = _TRIP_COUNT.search(instr.attrs) if instr.opcode == "while" else None
-    out = []
-    for key, value in _CALL.findall(instr.attrs):
-        for callee in re.findall(r"%?([\w.\-]+)", value.strip("{}")):
-            if instr.opcode == "while" and key in ("body", "condition"):
-                runs = int(trip.group(1)) + (key == "condition") if trip else 1
-                out.append((callee, runs, trip is not None))
-            else:
-                out.append((callee, 1, True))
-    return out
-
-
-def _executions(
-    computations: dict[str, list[_Instruction]], entry: str | None
-) -> dict[str, tuple[int, bool]]:
-    """Computation -> (runs per call of the program, exact?), following the call graph."""
-    callers: dict[str, list[tuple[str, int, bool]]] = {}
-    for comp, instructions in computations.items():
-        for instr in instructions:
-            for callee, runs, exact in _callees(instr):
-                callers.setdefault(callee, []).append((comp, runs, exact))
-    roots = {entry} if entry else {c for c in computations if c not in callers}
-    memo: dict[str, tuple[int, bool]] = {}
-
-    def visit(comp: str, path: frozenset[str]) -> tuple[int, bool]:
-        if comp in path:
-            raise ValueError(f"HLO call graph has a cycle through {comp!r}.")
-        if comp in roots:
-            return (1, True)
-        if comp not in memo:
-            total, exact = 0, True
-            for caller, runs, known in callers.get(comp, []):
-                n, ok = visit(caller, path | {comp})
-                total, exact = total + n * runs, exact and ok and known
-            memo[comp] = (total, exact)
-        return memo[comp]
-
-    return {comp: visit(comp, frozenset()) for comp in computations}
-
-
-# --------------------------------------------------------------------------- one collective
-
-
-def _kind(instr: _Instruction) -> str | None:
-    """The collective an instruction runs, if any; un-sugared async wrappers run none."""
-    if instr.opcode in KINDS:
-        return instr.opcode
-    if instr.opcode in _ASYNC_STARTS and not re.search(r"(?<![\w])calls=", instr.attrs):
-        return _ASYNC_STARTS[instr.opcode]
-    return None
-
-
 def _collective(
-    instr: _Instruction, kind: str, comp: str, count: int, exact: bool, ctx: _Context
+    instr: hlo.Instruction, kind: str, comp: str, count: int, exact: bool, ctx: _Context
 ) -> Collective:
-    leaves = _leaves(_result_shape(instr))
+    leaves = hlo.leaves(hlo.result_shape(instr))
     permute = kind == "collective-permute"
-    pairs = _pairs(instr.attrs) if permute else ()
-    groups = () if permute else _replica_groups(instr.attrs, ctx.num_devices)
+    pairs = hlo.pairs(instr.attrs) if permute else ()
+    groups = () if permute else hlo.replica_groups(instr.attrs, ctx.num_devices)
     if permute:  # the busiest device sends once per pair it is the source of
-        size = _linked_size(pairs)
+        size = hlo.linked_size(pairs)
         sends = max((sum(s == src for s, _ in pairs) for src, _ in pairs), default=0)
     else:
         size, sends = max((len(g) for g in groups), default=1), 0
-    result_bytes = sum(_leaf_bytes(dtype, dims) for dtype, dims in leaves)
-    op_name, source = _metadata(instr.attrs, ctx.frames)
+    result_bytes = sum(hlo.leaf_bytes(dtype, dims) for dtype, dims in leaves)
+    op_name, source = hlo.metadata(instr.attrs, ctx.frames)
     axes = _spanned_axes(groups or pairs, ctx.mesh)
     return Collective(
         kind=kind,
@@ -565,7 +412,7 @@ def _collective(
         shapes=tuple(dims for _, dims in leaves),
         dtypes=tuple(d for d, _ in leaves),
         result_bytes=result_bytes,
-        bytes_sent=_bytes_sent(kind, size, result_bytes, sends),
+        bytes_sent=sent(kind, size, result_bytes, sends),
         count=count,
         name=instr.name,
         op_name=op_name,
@@ -578,190 +425,7 @@ def _collective(
     )
 
 
-def _bytes_sent(kind: str, n: int, result_bytes: int, sends: int) -> float:
-    """Ring-model bytes one device sends per execution (the table in the module docstring)."""
-    if kind == "collective-permute":
-        return float(result_bytes * sends)
-    if kind == "all-reduce":
-        return 2 * (n - 1) / n * result_bytes
-    if kind == "reduce-scatter":  # the input is n results
-        return (n - 1) / n * (result_bytes * n)
-    return (n - 1) / n * result_bytes  # all-gather (of its output), all-to-all
 
-
-def _result_shape(instr: _Instruction) -> str:
-    """The shape of the collective's result; an async start's shape carries its operands too.
-
-    ``all-reduce-start`` returns its result; ``all-gather-start`` returns (operands...,
-    results...); ``collective-permute-start`` and the generic async starts
-    (``reduce-scatter-start``, ``all-to-all-start``) return (operands, result, context...).
-    """
-    tuple_start = instr.opcode in _ASYNC_STARTS and instr.shape.startswith("(")
-    if not tuple_start or instr.opcode == "all-reduce-start":
-        return instr.shape
-    parts = _tuple_elements(instr.shape)
-    if instr.opcode == "all-gather-start":
-        return ", ".join(parts[len(parts) // 2 :])
-    return parts[1]
-
-
-def _tuple_elements(shape: str) -> list[str]:
-    inner = re.sub(r"/\*.*?\*/", "", shape.strip())[1:-1]
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(inner):
-        depth += ch in "([{"
-        depth -= ch in ")]}"
-        if ch == "," and depth == 0:
-            parts.append(inner[start:i].strip())
-            start = i + 1
-    return [*parts, inner[start:].strip()] if inner.strip() else parts
-
-
-def _leaves(shape: str) -> list[tuple[str, tuple[int, ...]]]:
-    """(dtype, dims) of every array in a (possibly nested tuple) HLO shape."""
-    out = []
-    for dtype, dims in re.findall(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]", shape):
-        sizes = [d.strip().removeprefix("<=") for d in dims.split(",") if d.strip()]
-        out.append((dtype, tuple(int(s) for s in sizes)))
-    return out
-
-
-def _leaf_bytes(dtype: str, dims: tuple[int, ...]) -> int:
-    bits = _DTYPE_BITS.get(dtype)
-    if bits is None and dtype[:2] in ("f8", "f4"):  # the many fp8 / fp4 spellings
-        bits = int(dtype[1])
-    if bits is None:
-        raise ValueError(f"Unknown HLO element type {dtype!r}; cannot size the collective.")
-    return (bits * math.prod(dims) + 7) // 8
-
-
-def _metadata(attrs: str, frames: dict[int, str]) -> tuple[str, str]:
-    """(op_name, ``file:line``) from ``metadata={...}``; "" where absent."""
-    op_name = re.search(r'\bop_name="((?:[^"\\]|\\.)*)"', attrs)
-    file = re.search(r'\bsource_file="((?:[^"\\]|\\.)*)"', attrs)
-    line = re.search(r"\bsource_line=(\d+)", attrs)
-    frame = re.search(r"\bstack_frame_id=(\d+)", attrs)
-    if file:
-        source = f"{file.group(1)}:{line.group(1) if line else '?'}"
-    else:
-        source = frames.get(int(frame.group(1)), "") if frame else ""
-    return (op_name.group(1) if op_name else ""), source
-
-
-# --------------------------------------------------------------------------- device groups
-
-
-def _pairs(attrs: str) -> tuple[tuple[int, int], ...]:
-    """``source_target_pairs={{0,1},{1,2}}``, minus pairs from a device to itself."""
-    match = re.search(r"(?<![\w])source_target_pairs=", attrs)
-    if match is None:
-        return ()
-    body = attrs[match.end() : _closing(attrs, match.end()) + 1]
-    pairs = re.findall(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}", body)
-    return tuple((int(s), int(t)) for s, t in pairs if s != t)
-
-
-def _replica_groups(attrs: str, num_devices: int | None) -> tuple[tuple[int, ...], ...]:
-    """The replica groups in any printed spelling; ``{}`` or none means all devices."""
-    match = re.search(r"(?<![\w])replica_groups=", attrs)
-    value = attrs[match.end() :] if match else "{}"
-    if value.startswith("{"):
-        body = value[1 : _closing(value, 0)]
-        rows = re.findall(r"\{([^{}]*)\}", body)
-        groups = [[int(i) for i in re.findall(r"\d+", row)] for row in rows]
-    elif value.startswith("["):
-        groups = _iota(value).tolist()
-    elif value.startswith("mesh"):
-        groups = _mesh_axes_groups(value)
-    else:
-        raise ValueError(f"Unrecognised replica_groups spelling: {value[:80]!r}")
-    if not groups:
-        if num_devices is None:
-            raise ValueError("replica_groups={} means all devices: pass mesh= to count them.")
-        groups = [list(range(num_devices))]
-    return tuple(tuple(g) for g in groups)
-
-
-_IOTA = re.compile(r"\[([\d,\s]*)\]\s*<=\s*\[([\d,\s]*)\](?:\s*T\(([\d,\s]*)\))?")
-
-
-def _iota(spec: str) -> np.ndarray:
-    """``[dims]<=[reshape]T(perm)``: iota over prod(reshape), reshaped, transposed, reshaped."""
-    match = _IOTA.match(spec)
-    if match is None:
-        raise ValueError(f"Unrecognised iota device list: {spec[:80]!r}")
-    dims, reshape, perm = (
-        [int(v) for v in g.split(",") if v.strip()] if g else [] for g in match.groups()
-    )
-    ids = np.arange(math.prod(reshape)).reshape(reshape)
-    return (ids.transpose(perm) if perm else ids).reshape(dims)
-
-
-_MESH_GROUPS = re.compile(
-    r"mesh\[([^\]]*)\](?:\s*,\s*device_ids=\(((?:[^()]|\([^()]*\))*)\))?\s*\{([^}]*)\}"
-)
-
-
-def _mesh_axes_groups(spec: str) -> list[list[int]]:
-    """``mesh['a'=4,'b'=2] {'b'}``: devices that share every coordinate but the listed axes.
-
-    A listed sub-axis ``'a':(p)k`` is the k-sized piece of ``a`` with p-sized pieces on its
-    major side, as in Shardy.
-    """
-    match = _MESH_GROUPS.match(spec)
-    if match is None:
-        raise ValueError(f"Unrecognised mesh replica groups: {spec[:80]!r}")
-    axes = [(n, int(s)) for n, s in re.findall(r"'?([\w.\-]+)'?\s*=\s*(\d+)", match.group(1))]
-    total = math.prod(s for _, s in axes)
-    ids = _device_ids(match.group(2), total)
-    refs = []
-    for name, pre, sub in re.findall(r"'?([\w.\-]+)'?(?::\((\d+)\)(\d+))?", match.group(3)):
-        size = dict(axes)[name]
-        refs.append((name, int(pre) if pre else 1, int(sub) if sub else size))
-    dims: list[int] = []
-    grouped: list[int] = []
-    for name, size in axes:
-        cuts = sorted({1, size} | {c for n, p, k in refs if n == name for c in (p, p * k)})
-        for lo, hi in itertools.pairwise(cuts):
-            if any(n == name and p <= lo < p * k for n, p, k in refs):
-                grouped.append(len(dims))
-            dims.append(hi // lo)
-    rest = [d for d in range(len(dims)) if d not in grouped]
-    per_group = math.prod(dims[d] for d in grouped)
-    return ids.reshape(dims).transpose(rest + grouped).reshape(-1, per_group).tolist()
-
-
-def _device_ids(spec: str | None, total: int) -> np.ndarray:
-    """A mesh's ``device_ids=(...)``: iota form or a list of ids; absent means iota."""
-    if not spec:
-        return np.arange(total)
-    if "<=" in spec:
-        return _iota(spec.strip()).reshape(-1)
-    transposed = _TRANSPOSED_IOTA.fullmatch(spec.strip())
-    if transposed:  # "[2,4]T(1,0)": iota over [2, 4], transposed, flattened
-        dims, perm = ([int(v) for v in g.split(",") if v.strip()] for g in transposed.groups())
-        return np.arange(math.prod(dims)).reshape(dims).transpose(perm).reshape(-1)
-    return np.array([int(i) for i in re.findall(r"\d+", spec)[-total:]])
-
-
-_TRANSPOSED_IOTA = re.compile(r"\[([\d,\s]*)\]\s*T\(([\d,\s]*)\)")
-
-
-def _linked_size(pairs: tuple[tuple[int, int], ...]) -> int:
-    """Size of the largest set of devices connected by source/target pairs."""
-    parent: dict[int, int] = {}
-
-    def root(i: int) -> int:
-        while parent.setdefault(i, i) != i:
-            i = parent[i]
-        return i
-
-    for s, t in pairs:
-        parent[root(s)] = root(t)
-    sizes: dict[int, int] = {}
-    for i in parent:
-        sizes[root(i)] = sizes.get(root(i), 0) + 1
-    return max(sizes.values(), default=1)
 
 
 GROUPS = "axis groups"

@@ -7,7 +7,7 @@
   its group; an all-to-all sends 1/(n−1) of its bytes to every peer; a collective-permute
   follows its measured source → target pairs);
 * bars of bytes sent per device per step for each (collective, axes), measured beside
-  expected (``shardkit.cost``);
+  expected (the model's cost model);
 * the bytes on every link that carries any, each direction its own bar (``link_bytes``): a
   one-way ring loads i → i+1 and leaves i+1 → i idle, a bidirectional one loads both halves
   alike;
@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from shardkit.comm.cost import geometry
 from shardkit.comm.ledger import Collective, Ledger
 from shardkit.comm.report import Report
 
@@ -50,7 +49,7 @@ def traffic_matrix(report: Report | Ledger, devices: int | None = None) -> np.nd
     """[devices, devices] bytes device i sends to device j per step (ring model, see module);
     of a ``Report`` (its plan's devices) or of any ``Ledger`` (``devices`` given)."""
     ledger = report if isinstance(report, Ledger) else report.ledger
-    n = devices if isinstance(report, Ledger) else report.expectation.plan.num_devices
+    n = devices if isinstance(report, Ledger) else _devices(report)
     if n is None:
         raise ValueError("traffic_matrix of a Ledger needs devices=<the mesh's device count>.")
     out = np.zeros((n, n))
@@ -111,12 +110,20 @@ def plot_report(report: Report, path: str | pathlib.Path) -> pathlib.Path:
     return path
 
 
+def _devices(report: Report) -> int | None:
+    """The devices of the report's mesh (None when its expectation does not say)."""
+    sizes = report.expectation.axis_sizes
+    return math.prod(sizes.values()) if sizes else None
+
+
 def _title(report: Report) -> str:
-    p = report.expectation.plan
-    mesh = ", ".join(f"{a}={s}" for a, s in p.mesh.items() if s > 1) or "1 device"
+    facts = report.expectation.describe()
+    sizes = report.expectation.axis_sizes
+    mesh = ", ".join(f"{a}={s}" for a, s in sizes.items() if s > 1) or "1 device"
+    options = "".join(f" {k}={facts[k]}" for k in ("sp", "zero", "remat") if k in facts)
     verdict = "contract holds" if report.contract_ok else "contract BROKEN"
     return (
-        f"{mesh}  sp={p.sp} zero={p.zero} remat={p.remat}: {report.measured_bytes_sent / 1e6:.3f}"
+        f"{mesh} {options}: {report.measured_bytes_sent / 1e6:.3f}"
         f" MB sent per device per step, {report.ratio:.3f}× the expected minimum ({verdict})"
     )
 
@@ -153,7 +160,7 @@ def _draw_bars(ax: Any, report: Report) -> None:
     got = [r.bytes_sent / 1e6 for r in rows]
     want = [r.expected_bytes_sent / 1e6 for r in rows]
     ax.barh(y - 0.2, got, 0.4, color=MEASURED, label="measured (compiled HLO)")
-    ax.barh(y + 0.2, want, 0.4, color=EXPECTED, label="expected (shardkit.cost)")
+    ax.barh(y + 0.2, want, 0.4, color=EXPECTED, label="expected (the cost model)")
     for i, r in enumerate(rows):
         mark = "✓" if r.ok else "✗"
         ax.annotate(
@@ -190,10 +197,10 @@ _SHORT = {"data": "d", "seq": "s", "model": "m", "seq_ring": "sr", "seq_ulysses"
 
 def _coords(report: Report, device: int) -> str:
     """``device``'s mesh coordinates, e.g. 'd1 s0 m1' (axes of size 1 left out)."""
-    g = geometry(report.expectation.cfg, report.expectation.plan, report.expectation.batch)
-    index = np.unravel_index(device, [g.sizes[a] for a in g.mesh_axes])
+    sizes = report.expectation.axis_sizes
+    index = np.unravel_index(device, list(sizes.values()))
     return " ".join(
-        f"{_SHORT.get(a, a)}{i}" for a, i in zip(g.mesh_axes, index, strict=True) if g.sizes[a] > 1
+        f"{_SHORT.get(a, a)}{i}" for (a, n), i in zip(sizes.items(), index, strict=True) if n > 1
     )
 
 

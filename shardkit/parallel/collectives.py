@@ -39,16 +39,21 @@ the opposite direction, and vice versa.
 from __future__ import annotations
 
 import functools
-import inspect
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-Axis = str | tuple[str, ...]
-F = TypeVar("F", bound=Callable[..., Any])
+from shardkit.parallel.vma import (
+    Axis,
+    OutsideShardMapError,
+    names,
+    shard_map_primitive,
+    vary,
+    varying_axes,
+)
 
 __all__ = [
     "OutsideShardMapError",
@@ -70,58 +75,6 @@ __all__ = [
     "ring_shift",
     "shard_map_primitive",
 ]
-
-
-class OutsideShardMapError(ValueError):
-    """A ``shard_map`` primitive called outside ``jax.shard_map``, or naming an axis that the
-    mesh it runs on lacks. The message names the primitive (the outermost one called)."""
-
-    def __init__(self, fn: Callable[..., Any], detail: str) -> None:
-        self.detail = detail
-        super().__init__(
-            f"shardkit.{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__} must run inside "
-            f"jax.shard_map, on a mesh that has every axis it is given ({detail})."
-        )
-
-
-# What JAX says when a collective runs with no shard_map around it, or with an unknown axis.
-_OUTSIDE = ("unbound axis name", "should be called under jax.shard_map")
-_AXIS_PARAMS = ("axis", "ulysses_axis", "ring_axis")
-
-
-def shard_map_primitive(fn: F) -> F:
-    """Decorates a primitive so that calling it outside ``shard_map`` (or naming an axis the
-    mesh lacks) raises ``OutsideShardMapError`` naming it, instead of JAX's internal message.
-    Only the error path is checked, so the primitives still work wherever JAX's collectives do
-    (e.g. under ``vmap`` with an ``axis_name``)."""
-    signature = inspect.signature(fn)
-
-    @functools.wraps(fn)
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except OutsideShardMapError as err:
-            raise OutsideShardMapError(fn, err.detail) from None
-        except (NameError, ValueError, AssertionError) as err:
-            detail = _outside_detail(err, signature.bind_partial(*args, **kwargs).arguments)
-            if detail is None:
-                raise
-            raise OutsideShardMapError(fn, detail) from err
-
-    return checked  # type: ignore[return-value]
-
-
-def _outside_detail(err: Exception, arguments: dict[str, Any]) -> str | None:
-    """Why ``err`` means "not inside a shard_map that has these axes", or None."""
-    first = (str(err).splitlines() or [""])[0]
-    if any(s in first for s in _OUTSIDE):
-        return first
-    mesh_axes = jax.sharding.get_abstract_mesh().axis_names
-    named: list[Axis] = [arguments[p] for p in _AXIS_PARAMS if arguments.get(p) is not None]
-    missing = [a for axis in named for a in _names(axis) if mesh_axes and a not in mesh_axes]
-    if isinstance(err, AssertionError) and missing:
-        return f"the mesh has no axis {missing[0]!r}; its axes are {', '.join(mesh_axes)}"
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,7 +313,7 @@ def megatron_f(x: jax.Array, axis: Axis) -> jax.Array:
     Raises ValueError if x is already varying over an axis of size > 1.
     """
     _require(x, axis, varying=False, name="megatron_f")
-    return _vary(x, axis)  # pcast(x, axis, to="varying") of the axes x is invariant over
+    return vary(x, axis)  # pcast(x, axis, to="varying") of the axes x is invariant over
 
 
 @shard_map_primitive
@@ -381,27 +334,13 @@ def megatron_g(x: jax.Array, axis: Axis) -> jax.Array:
 # Helpers.
 
 
-def _names(axis: Axis) -> tuple[str, ...]:
-    return (axis,) if isinstance(axis, str) else tuple(axis)
-
-
-def _varying(x: jax.Array) -> frozenset[str]:
-    return frozenset(jax.typeof(x).mat.varying)
-
-
 def _require(x: jax.Array, axis: Axis, *, varying: bool, name: str) -> None:
     """Raises unless x is varying (or invariant) over each axis of ``axis`` larger than 1."""
-    wrong = [a for a in _names(axis) if (a in _varying(x)) != varying and axis_size(a) > 1]
+    wrong = [a for a in names(axis) if (a in varying_axes(x)) != varying and axis_size(a) > 1]
     if wrong:
         state = "invariant" if varying else "varying"
         need = "a varying partial sum" if varying else "an invariant value"
         raise ValueError(f"{name} needs {need} over {wrong[0]!r}, but x is {state} there.")
-
-
-def _vary(x: jax.Array, axis: Axis) -> jax.Array:
-    """x typed varying over every name in ``axis``, as the built-in collectives cast inputs."""
-    missing = tuple(a for a in _names(axis) if a not in _varying(x))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _ring_perm(n: int, offset: int) -> list[tuple[int, int]]:
@@ -413,13 +352,13 @@ def _mesh_order_index(axis: Axis) -> list[int]:
 
     ppermute numbers the devices of a tuple of axes in mesh order, not the tuple's order.
     """
-    names = _names(axis)
-    mesh_names = [a for a in jax.sharding.get_abstract_mesh().axis_names if a in names]
-    if len(names) == 1 or len(mesh_names) != len(names):  # one axis, or not mesh axes (vmap)
+    axes = names(axis)
+    mesh_names = [a for a in jax.sharding.get_abstract_mesh().axis_names if a in axes]
+    if len(axes) == 1 or len(mesh_names) != len(axes):  # one axis, or not mesh axes (vmap)
         return list(range(axis_size(axis)))
-    sizes = [axis_size(a) for a in names]
+    sizes = [axis_size(a) for a in axes]
     coords = itertools.product(*(range(k) for k in sizes))  # in axis_index order
-    return [_linear(dict(zip(names, c, strict=True)), mesh_names) for c in coords]
+    return [_linear(dict(zip(axes, c, strict=True)), mesh_names) for c in coords]
 
 
 def _linear(coord: dict[str, int], names: Sequence[str]) -> int:
@@ -449,7 +388,7 @@ def _check_scatter(x: jax.Array, axis: Axis, scatter_dim: int, tiled: bool) -> i
 def _ring_gather(x: jax.Array, axis: Axis, dim: int, step: int) -> jax.Array:
     """Tiled all-gather along ``dim``, each step passing blocks from device i to i + step."""
     n, i, rows = axis_size(axis), axis_index(axis), x.shape[dim]
-    block = _vary(x, axis)
+    block = vary(x, axis)
     shape = list(x.shape)
     shape[dim] *= n
     out = jnp.zeros(shape, x.dtype)
@@ -465,7 +404,7 @@ def _ring_scatter(x: jax.Array, axis: Axis, dim: int, step: int) -> jax.Array:
     """Tiled reduce-scatter along ``dim``, each step passing sums from device i to i + step."""
     n, i = axis_size(axis), axis_index(axis)
     rows = x.shape[dim] // n
-    x = _vary(x, axis)
+    x = vary(x, axis)
 
     def block(k: jax.Array) -> jax.Array:
         return jax.lax.dynamic_slice_in_dim(x, k % n * rows, rows, dim)
@@ -502,7 +441,7 @@ def _all_reduce_by(
     """All-reduce as ``scatter`` then ``gather`` on x flattened and padded to a multiple of n."""
     if to not in ("varying", "invariant"):
         raise ValueError(f"to must be 'varying' or 'invariant', got {to!r}.")
-    x = _vary(x, axis)
+    x = vary(x, axis)
     if to == "invariant":
         return _scatter_then_invariant_gather(x, axis, scatter)
     return _unflatten(gather(scatter(_flat(x, axis), axis, tiled=True), axis, tiled=True), x)
@@ -529,7 +468,7 @@ def _invariant_fwd(x: jax.Array, axis: Axis, scatter: Scatter) -> tuple[jax.Arra
 
 def _invariant_bwd(axis: Axis, scatter: Scatter, _: None, ct: jax.Array) -> tuple[jax.Array]:
     # psum's transpose: every device's summand gets the whole (invariant) cotangent.
-    return (_vary(ct, axis),)
+    return (vary(ct, axis),)
 
 
 _scatter_then_invariant_gather.defvjp(_invariant_fwd, _invariant_bwd)

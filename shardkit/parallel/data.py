@@ -33,7 +33,9 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array
 
-from shardkit.parallel.collectives import all_gather, reduce_scatter, shard_map_primitive
+from shardkit.parallel.collectives import all_gather, reduce_scatter
+from shardkit.parallel.vma import shard_map_primitive, varying_axes
+from shardkit.parallel.vma import vary as vary_leaf
 
 Axes = tuple[str, ...]
 PyTree = Any
@@ -46,7 +48,7 @@ def vary(tree: PyTree, axes_tree: PyTree) -> PyTree:
     ``axes_tree`` matches ``tree`` with a tuple of axis names per leaf (empty: leave as is).
     """
     return jax.tree.map(
-        lambda x, axes: jax.lax.pcast(x, axes, to="varying") if axes else x,
+        vary_leaf,
         tree,
         axes_tree,
         is_leaf=lambda x: isinstance(x, tuple),
@@ -93,11 +95,6 @@ def _check_unreduced(leaf: Array, axes: Axes, path: str) -> None:
             f"(typed invariant there), so all-reducing it again would multiply it by "
             f"{jax.lax.axis_size(a)}; did you forget data.vary(params, axes) before the loss?"
         )
-
-
-def varying_axes(x: Array) -> frozenset[str]:
-    """The mesh axes ``x`` is typed varying over (inside ``shard_map``)."""
-    return frozenset(jax.typeof(x).mat.varying)
 
 
 def _bucket_psum(arrays: Sequence[Array], axes: Axes) -> list[Array]:
@@ -207,8 +204,7 @@ def zero_slices(tree: PyTree, dims_tree: PyTree, axis: str = "data") -> PyTree:
         if dim is None:
             return w
         size = w.shape[dim] // n
-        if axis not in varying_axes(w):
-            w = jax.lax.pcast(w, axis, to="varying")
+        w = vary_leaf(w, axis)
         return jax.lax.dynamic_slice_in_dim(w, idx * size, size, dim)
 
     return jax.tree.map(local, tree, dims_tree, is_leaf=lambda x: x is None)
@@ -344,8 +340,7 @@ def global_norm(grads: PyTree, split_axes_tree: PyTree, axes: Axes) -> Array:
     if not axes:
         return jnp.sqrt(local)
     # ‖g‖²{U_axes} -> ‖g‖²: add the squares of the shards the other devices hold.
-    missing = tuple(a for a in axes if a not in varying_axes(local))
-    local = jax.lax.pcast(local, missing, to="varying") if missing else local
+    local = vary_leaf(local, axes)
     return jnp.sqrt(jax.lax.psum(local, tuple(axes)))
 
 

@@ -5,7 +5,7 @@ contenders take the same AdamW step:
 
   shardkit     ``ShardedViT.train_step`` (every collective hand-written in shard_map);
   auto         ``vit_ref``'s step under ``jax.jit`` with ``NamedSharding`` params and batch and
-               no shard_map (``report.auto_train_step``): params laid out by the same rules
+               no shard_map (``auto_train_step``): params laid out by the same rules
                table, and for the token-splitting modes a ``with_sharding_constraint`` of the
                tokens at the embedding and every block input — what a GSPMD user would write;
   one device   ``vit_ref.make_train_step`` on the first device.
@@ -31,15 +31,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import vit_ref
-from shardkit.comm import report
-from shardkit.comm.ledger import Ledger, ledger_of
-from shardkit.mesh import Plan, format_mesh
-from shardkit.models.vit import ShardedViT, check_plan
+from shardkit.comm.ledger import Ledger, ledger_of, measure
+from shardkit.mesh import Plan, format_mesh, make_mesh
+from shardkit.models.sharded import opt_state_layout
+from shardkit.models.vit import ShardedViT, check_plan, param_specs, state_specs, token_split
+from shardkit.models.vit.report import abstract_step_args, default_optimizer, report_of
+from shardkit.parallel.sequence import USP_SEQ
 from shardkit.run.verify import Case, default_matrix, make_batch
+from vit_ref.train import apply_optimizer
 
 # A model whose matmuls dominate dispatch on this box, and a full default run in minutes.
 DEFAULT_MODEL = dict(
@@ -121,7 +125,7 @@ def _compiled(fn: Any, *args: Any) -> tuple[Any, float, str]:
 
 def shardkit_contender(cfg: vit_ref.ViTConfig, plan: Plan, params: Any, batch: Any) -> Contender:
     model = ShardedViT(cfg, plan)
-    optimizer = report.default_optimizer()
+    optimizer = default_optimizer()
     placed = model.shard(params)
     state = model.init_opt_state(optimizer, placed)
     data = model.shard_batch(*batch)
@@ -130,8 +134,8 @@ def shardkit_contender(cfg: vit_ref.ViTConfig, plan: Plan, params: Any, batch: A
 
 
 def auto_contender(cfg: vit_ref.ViTConfig, plan: Plan, params: Any, batch: Any) -> Contender:
-    optimizer = report.default_optimizer()
-    step_fn, shardings, opt_shardings = report.auto_train_step(cfg, plan, optimizer)
+    optimizer = default_optimizer()
+    step_fn, shardings, opt_shardings = auto_train_step(cfg, plan, optimizer)
     mesh = jax.tree.leaves(shardings)[0].mesh
     placed = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings)(params)
     state = jax.jit(optimizer.init, out_shardings=opt_shardings)(placed)
@@ -142,7 +146,7 @@ def auto_contender(cfg: vit_ref.ViTConfig, plan: Plan, params: Any, batch: Any) 
 
 
 def single_device_contender(cfg: vit_ref.ViTConfig, params: Any, batch: Any) -> Contender:
-    optimizer = report.default_optimizer()
+    optimizer = default_optimizer()
     device = jax.devices()[0]
     placed = jax.device_put(jax.tree.map(jnp.copy, params), device)
     state = jax.jit(optimizer.init)(placed)
@@ -193,7 +197,7 @@ def _row(
     flops = model_flops(cfg, batch)
     assert ours.ledger is not None
     # Per stage under a pipeline: the raw ledger counts every stage's schedule branches.
-    contract = report.report_of(ours.ledger, cfg, case.plan, batch)
+    contract = report_of(ours.ledger, cfg, case.plan, batch)
     v: dict[str, Any] = {
         **_stats("shardkit", ours.times),
         **_stats("single_device", single.times),
@@ -370,3 +374,66 @@ def plot(result: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- XLA auto
+
+
+def auto_train_step(
+    cfg: vit_ref.ViTConfig, plan: Plan, optimizer: optax.GradientTransformation
+) -> tuple[Callable[..., Any], Any, Any]:
+    """The reference train step partitioned by XLA: ``(jitted step, param shardings,
+    optimizer-state shardings)``.
+
+    ``vit_ref``'s unsharded loss and AdamW update under ``jax.jit``, params placed with the
+    plan's ``NamedSharding``s (heads and MLP hidden over model; embed over data with FSDP),
+    the batch over data, and for the token-splitting modes what a GSPMD user would write: a
+    ``with_sharding_constraint`` of the tokens over the plan's token axes (``seq`` for ring,
+    Ulysses and USP, ``(seq, model)`` for Megatron-SP) at the embedding and every block input. XLA's
+    partitioner (Shardy) chooses every collective; without the constraint it would not split
+    tokens at all.
+    """
+    mesh = make_mesh(plan.mesh)
+    constrain = _token_constraint(cfg, plan, mesh)
+    specs = param_specs(cfg, plan)
+    param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    shapes = jax.eval_shape(lambda: vit_ref.init(jax.random.key(0), cfg))
+    _, opt_shardings = opt_state_layout(
+        optimizer, shapes, state_specs(cfg, plan), lambda s: NamedSharding(mesh, s)
+    )
+
+    def step(params: Any, opt_state: Any, images: jax.Array, labels: jax.Array) -> Any:
+        loss, grads = jax.value_and_grad(vit_ref.loss_fn)(params, images, labels, cfg, constrain)
+        params, opt_state = apply_optimizer(optimizer, grads, opt_state, params)
+        return params, opt_state, {"loss": loss}
+
+    out = (param_shardings, opt_shardings, NamedSharding(mesh, P()))
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=out), param_shardings, opt_shardings
+
+
+def _token_constraint(
+    cfg: vit_ref.ViTConfig, plan: Plan, mesh: Any
+) -> Callable[[jax.Array], jax.Array] | None:
+    """tokens[B_data, T_axes, D] as a sharding constraint, for plans that split tokens (the
+    plan's own token split, USP's two seq axes named as the one ``seq`` of this mesh)."""
+    split = token_split(cfg, plan).token_axes
+    named = dict.fromkeys("seq" if a in USP_SEQ else a for a in split)
+    token_axes = tuple(a for a in named if plan.size(a) > 1)
+    if not token_axes:
+        return None
+    batch_axis = "data" if plan.size("data") > 1 else None
+    tokens = NamedSharding(mesh, P(batch_axis, token_axes, None))
+    return lambda x: jax.lax.with_sharding_constraint(x, tokens)
+
+
+def measure_auto(cfg: vit_ref.ViTConfig, plan: Plan, batch: int) -> Ledger:
+    """The ledger of ``auto_train_step`` compiled for a global ``batch`` (never run)."""
+    check_plan(cfg, plan, batch)
+    optimizer = default_optimizer()
+    step, _, _ = auto_train_step(cfg, plan, optimizer)
+    mesh = make_mesh(plan.mesh)
+    batch_spec = P("data") if plan.size("data") > 1 else P()
+    specs = (param_specs(cfg, plan), state_specs(cfg, plan))
+    sharding = lambda s: NamedSharding(mesh, s)  # noqa: E731
+    args = abstract_step_args(cfg, *specs, sharding, batch_spec, batch, optimizer)
+    return measure(step, *args, mesh=mesh)

@@ -4,7 +4,7 @@ For a (cfg, plan, batch) case this runs vit_ref and the sharded ViT on the same 
 (head drawn randomly, so logits depend on the body) and batch, and reports the worst
 per-leaf relative L2 error of (1) the logits, (2) every gradient leaf, (3) every param after
 one AdamW step. See ``shardkit.testing`` for the error definition. It also compiles the train
-step and holds its collectives to ``shardkit.cost`` (counts equal, bytes within 1%): the
+step and holds its collectives to ``models.vit.cost`` (counts equal, bytes within 1%): the
 "sent MB" and "model MB" columns are bytes sent per device per step, measured and expected.
 
 The optimizer is AdamW with eps=1e-3 instead of optax's 1e-8. Some gradients are analytically
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -27,9 +29,10 @@ import jax.numpy as jnp
 import optax
 
 import vit_ref
-from shardkit.comm.report import model_report
 from shardkit.mesh import Plan, format_mesh
 from shardkit.models.vit import ShardedViT, check_plan
+from shardkit.models.vit.report import model_report
+from shardkit.run.launch import beat
 from shardkit.testing import comparison_optimizer, max_error
 
 __all__ = [
@@ -40,6 +43,7 @@ __all__ = [
     "format_header",
     "format_row",
     "run_case",
+    "run_cases",
 ]
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2}
@@ -60,7 +64,7 @@ class Case:
 
 @dataclasses.dataclass(frozen=True)
 class CaseResult:
-    """Errors against vit_ref, and the compiled step's bytes against ``shardkit.cost``."""
+    """Errors against vit_ref, and the compiled step's bytes against ``models.vit.cost``."""
 
     name: str
     plan: Plan
@@ -205,3 +209,30 @@ def format_row(r: CaseResult) -> str:
         f"{r.expected_bytes / 1e6:.3f}",
         ("✓" if r.numerics_ok else "✗ numerics") + ("" if r.contract_ok else " ✗ contract"),
     )
+
+
+def run_cases(
+    cfg: vit_ref.ViTConfig,
+    cases: list[Case],
+    batch: int,
+    *,
+    as_json: bool = False,
+    echo: Callable[..., Any] = print,
+) -> bool:
+    """Runs every case in turn (``shardkit verify``): a table row per case as it finishes and
+    a closing count, or one JSON object at the end; True when every case holds."""
+    if not as_json:
+        echo(format_header(), flush=True)
+    results = []
+    for case in cases:
+        results.append(run_case(cfg, case, batch))
+        beat()
+        if not as_json:
+            echo(format_row(results[-1]), flush=True)
+    ok = all(r.ok for r in results)
+    if as_json:
+        echo(json.dumps({"ok": ok, "cases": [r.to_json() for r in results]}))
+    else:
+        passed = sum(r.ok for r in results)
+        echo(f"{passed}/{len(results)} cases match vit_ref ({cfg.dtype}, batch {batch}).")
+    return ok

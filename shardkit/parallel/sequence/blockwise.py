@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from shardkit.parallel.vma import vary_like
+
 MASK_VALUE = float(np.float32(-0.7 * float(np.finfo(np.float32).max)))  # exact in float32
 KEY_CHUNK = 512  # default most keys per chunk inside one ring hop (see ring.attention_ring)
 
@@ -306,23 +308,12 @@ def _unchunk(x: Array, s: int) -> Array:
     return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :s]
 
 
-def _varying_as(x: Array, *like: Array | None) -> Array:
-    """x typed varying over every mesh axis that one of ``like`` varies over.
-
-    A scan carry must keep its type; one that starts as a constant (zeros) must already vary
-    like the values the loop body merges into it (shard_map's check_vma).
-    """
-    axes = set().union(*(jax.typeof(y).mat.varying for y in like if y is not None))
-    axes -= set(jax.typeof(x).mat.varying)
-    return jax.lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
-
-
 def _no_stats(q: Array, kv: _KV) -> _Stats:
     """Statistics of no keys at all (max MASK_VALUE, sum 0, acc 0): merging into them is exact."""
     b, t, h, _ = q.shape
     m = jnp.full((b, h, t), MASK_VALUE, jnp.float32)
     stats = (m, jnp.zeros((b, h, t), jnp.float32), jnp.zeros(q.shape, jnp.float32))
-    m, row_sum, acc = (_varying_as(x, q, *kv) for x in stats)
+    m, row_sum, acc = (vary_like(x, q, *kv) for x in stats)
     return m, row_sum, acc
 
 
@@ -400,7 +391,7 @@ def _attend_grads_tile(
 
         def skip(dq: Array) -> tuple[Array, tuple[Array, Array]]:
             like = (q, k, v, valid, pos, seg, *q_pos, d_out, lse, delta)
-            zero = (_varying_as(jnp.zeros(x.shape, f32), *like) for x in (k, v))
+            zero = (vary_like(jnp.zeros(x.shape, f32), *like) for x in (k, v))
             return dq, tuple(zero)  # type: ignore[return-value]
 
         visible = _visible(q_pos, pos)

@@ -3,7 +3,7 @@
 ``attention_ring`` (hand-written backward: saves q, k, v, out, lse) and
 ``attention_ring_autodiff`` (the memory baseline), on any token layout, causal or not, with
 grouped-query heads and packed sequences; ``ring_work`` counts what a causal ring computes.
-Block math: ``shardkit.parallel.blockwise``; signatures and masks: ``shardkit.parallel.sequence``.
+Block math: ``sequence.blockwise``; signatures and masks: the ``sequence`` package docstring.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from shardkit.parallel import layouts
-from shardkit.parallel.blockwise import (
+from shardkit.parallel.sequence import layouts
+from shardkit.parallel.sequence.blockwise import (
     _KV,
     Block,
     KeyValid,
@@ -35,9 +35,8 @@ from shardkit.parallel.blockwise import (
     _query_slices,
     _Stats,
     _tiles,
-    _varying_as,
 )
-from shardkit.parallel.collectives import shard_map_primitive
+from shardkit.parallel.vma import shard_map_primitive, vary_like
 
 # ----------------------------------------------------------------------------- ring
 
@@ -217,7 +216,7 @@ def _ring_bwd(
         return (dq, kv, (dk + dk_blk, dv + dv_blk)), None
 
     kv = (k, v, key_valid, segment_ids)
-    dq = _varying_as(jnp.zeros(q.shape, f32), q, *block(kv, 0), d_out, lse, delta)
+    dq = vary_like(jnp.zeros(q.shape, f32), q, *block(kv, 0), d_out, lse, delta)
     dq, dk, dv = grads(dq, kv=block(kv, 0))
     if n > 1:
         (dq, _, (dk, dv)), _ = jax.lax.scan(hop, (dq, kv, (dk, dv)), jnp.arange(1, n))

@@ -1,0 +1,184 @@
+"""The ViT's communication report: compile ``ShardedViT``'s full train step (forward, backward
+and AdamW update; compiled, never run), measure it (``comm.ledger``) and set it beside
+``models.vit.cost``'s expectation (``comm.report.Report``).
+
+``inspect(cfg, plan, batch)`` is ``shardkit inspect``; ``model_report`` reports an existing
+model (the one ``verify`` just ran); ``report_of`` builds the report of a measured ledger, one
+per stage under a pipeline (``stage_ledger`` counts each branch collective by the ticks a stage
+spends in it).
+
+Arguments are abstract (``jax.ShapeDtypeStruct`` carrying the shardings ``ShardedViT.shard``
+and ``init_opt_state`` would give), so no params are drawn and no array is allocated: the
+compiled program depends only on shapes, dtypes and shardings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import vit_ref
+from shardkit.comm.ledger import Ledger, measure
+from shardkit.comm.report import Report
+from shardkit.mesh import Plan
+from shardkit.models.sharded import opt_state_layout
+from shardkit.models.vit import cost
+from shardkit.models.vit.model import ShardedViT
+from shardkit.models.vit.plan import schedule
+from shardkit.parallel import pipeline
+from shardkit.parallel.pipeline.schedules import Schedule
+
+
+def default_optimizer() -> optax.GradientTransformation:
+    """AdamW (``vit_ref.make_optimizer``): elementwise, so the update moves no bytes."""
+    return vit_ref.make_optimizer()
+
+
+def step_args(
+    model: ShardedViT, batch: int, optimizer: optax.GradientTransformation
+) -> tuple[Any, ...]:
+    """Abstract (params, opt_state, images, labels) for ``model.train_step(optimizer)``.
+
+    Shapes from ``vit_ref.init``; shardings as ``model.shard`` / ``init_opt_state`` /
+    ``shard_batch`` place them (params as ``model.specs``, optimizer moments as
+    ``model.state_specs``: like their params, but split over data under ZeRO-1/2).
+    """
+    model.check_batch(batch)
+    specs = (model.specs, model.state_specs)
+    return abstract_step_args(model.cfg, *specs, model.sharding, model.batch_spec, batch, optimizer)
+
+
+def abstract_step_args(
+    cfg: vit_ref.ViTConfig,
+    specs: Any,
+    state_specs: Any,
+    sharding: Callable[[P], NamedSharding],
+    batch_spec: P,
+    batch: int,
+    optimizer: optax.GradientTransformation,
+) -> tuple[Any, ...]:
+    shapes = jax.eval_shape(lambda: vit_ref.init(jax.random.key(0), cfg))
+    params = _abstract(shapes, jax.tree.map(sharding, specs))
+    opt_state = _abstract(*opt_state_layout(optimizer, shapes, state_specs, sharding))
+    data = sharding(batch_spec)
+    images = jax.ShapeDtypeStruct((batch, cfg.image, cfg.image, cfg.channels), jnp.float32)
+    labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    return params, opt_state, _abstract(images, data), _abstract(labels, data)
+
+
+def _abstract(shapes: Any, shardings: Any) -> Any:
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+    )
+
+
+def measure_step(
+    model: ShardedViT,
+    batch: int,
+    optimizer: optax.GradientTransformation | None = None,
+    clip_norm: float | None = None,
+) -> Ledger:
+    """The ledger of ``model.train_step(optimizer, clip_norm)`` compiled for a global ``batch``."""
+    optimizer = optimizer or default_optimizer()
+    args = step_args(model, batch, optimizer)
+    return measure(model.train_step(optimizer, clip_norm), *args, mesh=model.mesh)
+
+
+def model_report(
+    model: ShardedViT,
+    batch: int,
+    optimizer: optax.GradientTransformation | None = None,
+    clip_norm: float | None = None,
+) -> Report:
+    """The contract report of an existing ``ShardedViT`` (e.g. the one ``verify`` just ran, or
+    the clipped step ``shardkit train`` runs)."""
+    ledger = measure_step(model, batch, optimizer, clip_norm)
+    return report_of(ledger, model.cfg, model.plan, batch, clip=clip_norm is not None)
+
+
+def report_of(
+    ledger: Ledger, cfg: vit_ref.ViTConfig, plan: Plan, batch: int, **kwargs: Any
+) -> Report:
+    """The report of a measured step; under a pipeline one per stage (the last one shown)."""
+    if plan.pp == "none":
+        return Report(ledger, cost.expected(cfg, plan, batch, **kwargs))
+    sched = schedule(plan)
+    reports = [
+        Report(stage_ledger(ledger, sched, s), cost.expected(cfg, plan, batch, stage=s, **kwargs))
+        for s in range(sched.stages)
+    ]
+    return dataclasses.replace(reports[-1], others=tuple(enumerate(reports[:-1])))
+
+
+# A collective inside a branch: its op_name holds the engine's segment scope, then its branch's.
+_BRANCH = re.compile(
+    pipeline.SEGMENT_SCOPE.format(r"(\d+)")
+    + "/(?:.*/)?"
+    + pipeline.BRANCH_SCOPE.format(r"(\d+)")
+    + "/"
+)
+
+
+def stage_ledger(ledger: Ledger, sched: Schedule, stage: int) -> Ledger:
+    """``ledger`` as one stage's device runs it: a collective inside a schedule branch counts
+    the ticks this stage spends in that branch, not every tick of its segment (the ledger
+    counts every branch of a conditional as if it ran; ``pipeline.branch_runs``).
+
+    Raises:
+      ValueError: a branch collective's count is not a multiple of its segment's length (XLA
+        restructured the tick loop, so the per-stage count cannot be read).
+    """
+    runs = pipeline.branch_runs(sched)
+    out = []
+    for c in ledger.collectives:
+        match = _BRANCH.search(c.op_name)
+        if match:
+            k, b = int(match.group(1)), int(match.group(2))
+            length = int(runs[(k, -1)][stage])
+            if c.count % length:
+                raise ValueError(
+                    f"Collective {c.name} in pipeline segment {k} runs {c.count} times, not a "
+                    f"multiple of the segment's {length} ticks."
+                )
+            ran = int(runs[(k, b)][stage]) if (k, b) in runs else 0
+            c = dataclasses.replace(c, count=c.count // length * ran)
+        if c.count:
+            out.append(c)
+    return dataclasses.replace(ledger, collectives=tuple(out))
+
+
+def inspect(
+    cfg: vit_ref.ViTConfig,
+    plan: Plan,
+    batch: int,
+    *,
+    hlo_path: str | pathlib.Path | None = None,
+    platform: str = "cpu",
+) -> Report:
+    """Compiles ``ShardedViT(cfg, plan)``'s train step and holds it to ``models.vit.cost``.
+
+    Args:
+      cfg: the model.
+      plan: the parallelism plan.
+      batch: the GLOBAL batch size.
+      hlo_path: if given, the compiled HLO text is written there.
+      platform: passed to ``cost.expected`` (element sizes of activation collectives).
+
+    Returns:
+      A :class:`Report`. Raises ``PlanError`` (one sentence) before compiling if the plan
+      cannot run the model; the default device set must hold ``plan.num_devices`` devices.
+    """
+    cost.expected(cfg, plan, batch, platform=platform)  # checks the plan first
+    ledger = measure_step(ShardedViT(cfg, plan), batch)
+    if hlo_path is not None:
+        pathlib.Path(hlo_path).write_text(ledger.hlo)
+    return report_of(ledger, cfg, plan, batch, platform=platform)

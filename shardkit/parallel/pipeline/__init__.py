@@ -1,0 +1,76 @@
+"""Pipeline parallelism: schedules as data, their tables, and the engine that runs them.
+
+Three modules: ``schedules`` (GPipe, 1F1B, interleaved, ZB-H1 as grids of actions),
+``tables`` (a schedule compiled into static int32 tables: actions and buffer slots) and
+``engine`` (``pipeline_grads`` / ``pipeline_forward``: the traced scan over those tables inside
+``shard_map``). This package re-exports their public names.
+
+Model-agnostic: a chunk is any ``stage_fn(chunk_params, x) -> y`` with y typed like x; an
+``Ends`` holds what comes before chunk 0 (``embed_fn(embed_params, input) -> x``) and after the
+last chunk (``loss_fn(loss_params, y, target) -> scalar``). Per device s of the ``stage`` axis
+(S devices, V chunks each: chunk v·S + s):
+
+  stage_params[V, ...]   this device's chunks      inputs[M, ...]   per microbatch (stage 0)
+  embed / loss params    replicated over stage     targets[M, ...]  per microbatch (stage S−1)
+
+``pipeline_grads`` scans the schedule's ticks. Each tick a device runs its table entry:
+
+  F  y, vjp = jax.vjp(stage_fn, p[v], x), x embedded (chunk 0) or from the inbox; the vjp's
+     residuals (all but the params, which stay where they are) go to a stash slot; y is sent
+     to the next stage (``ppermute`` +1); on the last chunk the loss and dy = ∂loss/∂y are
+     taken at once and dy goes to this device's own cotangent inbox.
+  B  the vjp rebuilt from the stash, applied to dy from the inbox: dx is sent to the previous
+     stage (−1); unsplit schedules take the weight gradient here too (chunk 0: and the
+     embedding's, by its vjp re-run on the microbatch's input).
+  W  (split schedules) the same vjp, for the weights only: XLA drops the unused half of each
+     branch, so B computes only the input gradient and W only the weight gradient.
+
+Collectives inside a chunk (or the embedding, or the loss) run inside the branch of the stage
+that runs it, while the other stages run other branches. A collective whose device groups lie
+within one stage is sound there (``psum``, ``all_gather``, ``psum_scatter``, ``all_to_all``
+over ``model`` or ``seq``: tensor parallelism, Ulysses). A ``ppermute`` is not: XLA's
+collective-permute is one instruction over every device its pairs name, across all stages, so
+running it in a branch that some stages skip is not a valid program (measured on jax 0.10.2
+CPU: wrong values, no error). The engine refuses such a function in one sentence
+(``_check_no_permutes``); ring attention inside a pipeline stage is therefore refused, and
+Ulysses is the sequence-parallel core that composes.
+
+Buffers hold only what the schedule keeps in flight: the stash, the activation inbox and the
+cotangent inbox each have as many slots as the busiest stage's most simultaneously live
+entries (``tables``: slots assigned statically by interval colouring), so 1F1B's stash has S
+slots whatever M is, while GPipe's has M. The SPMD program is the same on every device, so
+every device allocates the busiest stage's slots. Idle ticks compute nothing (``lax.switch``
+to an identity branch); buffers start at zeros and no unwritten slot is ever read (the
+``poison`` test). The scan is split into segments by send pattern (``Tables.segments``: the
+steady state, from the first cotangent send to the last activation send, is one segment that
+sends both ways), and each tick of a segment runs one ``ppermute`` of one microbatch activation
+in each direction it uses; a segment compiles only the branches it runs. Collectives inside a
+branch carry the segment's and the branch's named scopes, so a ledger can count them per stage
+(``branch_runs``).
+"""
+
+from shardkit.parallel.pipeline import schedules
+from shardkit.parallel.pipeline.engine import Ends, pipeline_forward, pipeline_grads
+from shardkit.parallel.pipeline.tables import (
+    BRANCH_SCOPE,
+    SEGMENT_SCOPE,
+    ForwardTables,
+    Tables,
+    branch_runs,
+    forward_tables,
+    tables,
+)
+
+__all__ = [
+    "BRANCH_SCOPE",
+    "SEGMENT_SCOPE",
+    "Ends",
+    "ForwardTables",
+    "Tables",
+    "branch_runs",
+    "forward_tables",
+    "pipeline_forward",
+    "pipeline_grads",
+    "schedules",
+    "tables",
+]

@@ -1,0 +1,464 @@
+"""The pipeline engine: runs any ``schedules.Schedule`` inside ``shard_map`` over a stage axis.
+
+The model-agnostic contract, the tick actions and the buffer rules are the package docstring's
+(``shardkit.parallel.pipeline``). ``pipeline_grads`` scans ``tables.tables(schedule)``
+segment by segment; each tick runs one ``lax.switch`` branch per stage (F, B or W, first /
+last chunk variants, idle) and one ``ppermute`` per direction the segment sends in.
+``pipeline_forward`` does the same for the forwards alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from shardkit.parallel.pipeline.schedules import Schedule
+from shardkit.parallel.pipeline.tables import (
+    BRANCH_SCOPE,
+    IDLE,
+    SEGMENT_SCOPE,
+    Tables,
+    forward_pairs,
+    forward_tables,
+    tables,
+)
+from shardkit.parallel.vma import tree_varying_axes, vary, vary_tree, varying_axes
+
+StageFn = Callable[[Any, jax.Array], jax.Array]
+EmbedFn = Callable[[Any, Any], jax.Array]
+LossFn = Callable[[Any, jax.Array, Any], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Ends:
+    """The model outside the chunks: ``embed_fn`` before chunk 0, ``loss_fn`` after the last.
+
+    embed_fn: ``(embed_params, input_m) -> x`` (identity-like for a bare pipeline);
+    loss_fn: ``(loss_params, y, target_m) -> scalar``. Both params replicated over the stage
+    axis; their gradients come back summed over it (only the first / last stage adds to them).
+    """
+
+    embed_fn: EmbedFn
+    embed_params: Any
+    loss_fn: LossFn
+    loss_params: Any
+
+
+def pipeline_grads(
+    schedule: Schedule,
+    stage_fn: StageFn,
+    stage_params: Any,
+    ends: Ends,
+    inputs: Any,
+    targets: Any,
+    *,
+    axis: str = "stage",
+    poison: bool = False,
+) -> tuple[jax.Array, Any, Any, Any]:
+    """Runs ``schedule`` forward and backward; call inside ``shard_map`` over ``axis``.
+
+    Args:
+      schedule: from ``schedules.build``; its S must equal the size of ``axis``.
+      stage_fn: ``(chunk_params, x) -> y``, y shaped and typed like x.
+      stage_params: this device's V chunks, every leaf stacked [V, ...].
+      ends: the embedding before chunk 0 and the loss after the last chunk.
+      inputs: pytree of [M, ...]: ``embed_fn``'s input per microbatch (read on stage 0).
+      targets: pytree of [M, ...]: ``loss_fn``'s target per microbatch (read on stage S−1).
+      axis: the pipeline's mesh axis.
+      poison: start the stash, the inboxes and the receive buffers at NaN instead of zeros
+        (a test: finite, equal gradients prove that no unwritten slot is ever read).
+
+    Returns:
+      (loss, d_stage_params, d_embed_params, d_loss_params): Σ_m loss and the gradients of
+      that sum: for this device's chunks [V, ...] (varying over ``axis``), for the embedding and
+      the loss params (invariant over ``axis``). Every gradient is still a partial sum over the
+      inputs' other axes (``data``): sync them as for any data-parallel gradient.
+    """
+    _check_shapes(schedule, stage_params, inputs, targets, axis)
+    stage_params, ends, x0 = _typed_for_branches(stage_params, ends, inputs, axis)
+    chunk0 = jax.tree.map(lambda a: a[0], stage_params)
+    y0, proto = jax.vjp(stage_fn, chunk0, x0)
+    _check_stage_fn(x0, y0)
+    _check_no_permutes(
+        lambda p, x, ep, lp, i, t: (
+            jax.vjp(stage_fn, p, x)[1](y0),
+            jax.vjp(ends.embed_fn, ep, i),
+            jax.value_and_grad(ends.loss_fn, argnums=(0, 1))(lp, y0, t),
+        ),
+        chunk0, x0, ends.embed_params, ends.loss_params,
+        jax.tree.map(lambda a: a[0], inputs), jax.tree.map(lambda a: a[0], targets),
+    )  # fmt: skip
+    leaves, vjp_def = jax.tree.flatten(proto)
+    keep = _param_mask(leaves, chunk0)
+    tab = tables(schedule)
+    state = _initial_state(tab, stage_params, ends, x0, leaves, keep, np.nan if poison else 0.0)
+    stage = jax.lax.axis_index(axis)
+    ctx = _Context(schedule, stage_fn, stage_params, ends, inputs, targets, axis, stage,
+                   vjp_def, keep)  # fmt: skip
+    for k, (start, stop, send_x, send_dy) in enumerate(tab.segments()):
+        rows = tab.rows(start, stop)
+        # Only the branches this segment runs are compiled into its switch (row → position).
+        used = sorted({IDLE, *np.unique(rows["branch"]).tolist()})
+        rows["branch"] = np.searchsorted(used, rows["branch"]).astype(np.int32)
+        body = _tick_body(ctx, send_x, send_dy, used)
+        with jax.named_scope(SEGMENT_SCOPE.format(k)):
+            state, _ = jax.lax.scan(body, state, {n: jnp.asarray(v) for n, v in rows.items()})
+    loss, embed_grads, loss_grads = jax.lax.psum(
+        (state["loss"], state["embed_grads"], state["loss_grads"]), axis
+    )
+    return loss, state["grads"], embed_grads, loss_grads
+
+
+def _typed_for_branches(
+    stage_params: Any, ends: Ends, inputs: Any, axis: str
+) -> tuple[Any, Ends, jax.Array]:
+    """(stage_params, ends, x0 = the first microbatch embedded), all typed varying over the
+    inputs' axes and the stage: everything a branch computes varies there, so the params'
+    gradients come out as partial sums (no collective inside a branch)."""
+    act_axes = tree_varying_axes(inputs) | {axis}
+    ends = dataclasses.replace(
+        ends,
+        embed_params=vary_tree(ends.embed_params, act_axes),
+        loss_params=vary_tree(ends.loss_params, act_axes),
+    )
+    x0 = vary(ends.embed_fn(ends.embed_params, jax.tree.map(lambda a: a[0], inputs)), act_axes)
+    return vary_tree(stage_params, act_axes), ends, x0
+
+
+def _check_stage_fn(x0: jax.Array, y0: jax.Array) -> None:
+    """ValueError (one sentence) unless ``stage_fn`` maps x to a y of x's shape and type."""
+    if varying_axes(y0) != varying_axes(x0) or y0.shape != x0.shape or y0.dtype != x0.dtype:
+        raise ValueError(
+            f"stage_fn must map x {x0.dtype}{list(x0.shape)} varying over "
+            f"{sorted(varying_axes(x0))} to the same type, got {y0.dtype}{list(y0.shape)} varying "
+            f"over {sorted(varying_axes(y0))}."
+        )
+
+
+def _initial_state(
+    tab: Tables, stage_params: Any, ends: Ends, x0: jax.Array, leaves: list[Any],
+    keep: tuple[int, ...], fill: float,
+) -> dict[str, Any]:  # fmt: skip
+    """The scan carry: stash and inboxes filled with ``fill``, gradients and loss at zero."""
+    act_axes = varying_axes(x0)
+    act = vary(jnp.full_like(x0, fill), act_axes)
+    # Residuals vary over the stage at least (a branch reads its chunk by a stage-varying
+    # index, so even one traced invariant, a mask, comes out varying there).
+    stashed = [a for a, k in zip(leaves, keep, strict=True) if k < 0]
+    return dict(
+        stash=[_buffer(tab.stash_slots, vary(a, act_axes), fill) for a in stashed],
+        x_box=_buffer(tab.x_slots, act, fill),
+        dy_box=_buffer(tab.dy_slots, act, fill),
+        grads=jax.tree.map(jnp.zeros_like, stage_params),
+        embed_grads=jax.tree.map(jnp.zeros_like, ends.embed_params),
+        loss_grads=jax.tree.map(jnp.zeros_like, ends.loss_params),
+        loss=vary(jnp.zeros((), jnp.float32), act_axes),
+        recv_x=act,
+        recv_dy=act,
+    )
+
+
+def _check_shapes(
+    schedule: Schedule, stage_params: Any, inputs: Any, targets: Any | None, axis: str
+) -> None:
+    """ValueError (one sentence) unless the mesh, the chunks and the microbatches fit the
+    schedule: an out-of-range microbatch or chunk index would be clamped, not caught."""
+    n = jax.lax.axis_size(axis)
+    if n != schedule.stages:
+        raise ValueError(
+            f"The schedule has {schedule.stages} stages but the {axis!r} axis has {n} devices."
+        )
+    for name, tree, want in (
+        ("stage_params", stage_params, schedule.virtual),
+        ("inputs", inputs, schedule.micro),
+        ("targets", () if targets is None else targets, schedule.micro),
+    ):
+        for leaf in jax.tree.leaves(tree):
+            if leaf.ndim == 0 or leaf.shape[0] != want:
+                what = "chunks per device (V)" if name == "stage_params" else "microbatches (M)"
+                raise ValueError(
+                    f"Every {name} leaf needs a leading dim of {want} {what}, got shape "
+                    f"{list(leaf.shape)}."
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Context:
+    schedule: Schedule
+    stage_fn: StageFn
+    stage_params: Any
+    ends: Ends
+    inputs: Any
+    targets: Any
+    axis: str
+    stage: jax.Array
+    vjp_def: Any
+    keep: tuple[int, ...]  # per vjp leaf: chunk param index, or −1 (stashed)
+
+
+def _tick_body(ctx: _Context, send_x: bool, send_dy: bool, used: list[int]) -> Callable[..., Any]:
+    """One tick: store what arrived, run the branch (among ``used``, by ``branch_index``),
+    send."""
+    pairs = forward_pairs(ctx.schedule)
+    backward_pairs = [(d, s) for s, d in pairs]
+    branches = [_idle] + [
+        functools.partial(fn, first=first, last=last)
+        for fn in (_forward, _backward, _weights)
+        for first in (False, True)
+        for last in (False, True)
+    ]
+    branches = [_scoped(branches[i], i) for i in used]
+
+    def body(state: dict[str, Any], rows: dict[str, jax.Array]) -> tuple[dict[str, Any], None]:
+        row = {k: v[ctx.stage] for k, v in rows.items()}
+        state = dict(state)
+        state["x_box"] = _store(state["x_box"], row["x_arrive"], state["recv_x"])
+        state["dy_box"] = _store(state["dy_box"], row["dy_arrive"], state["recv_dy"])
+        state, out_x, out_dy = jax.lax.switch(
+            row["branch"], [functools.partial(b, ctx) for b in branches], state, row
+        )
+        zeros = jnp.zeros_like(state["recv_x"])
+        state["recv_x"] = jax.lax.ppermute(out_x, ctx.axis, pairs) if send_x else zeros
+        state["recv_dy"] = jax.lax.ppermute(out_dy, ctx.axis, backward_pairs) if send_dy else zeros
+        return state, None
+
+    return body
+
+
+Branch = tuple[dict[str, Any], jax.Array, jax.Array]
+Row = dict[str, jax.Array]
+
+
+def _idle(ctx: _Context, state: dict[str, Any], row: Row) -> Branch:
+    zeros = jnp.zeros_like(state["recv_x"])
+    return state, zeros, zeros
+
+
+def _chunk(ctx: _Context, row: Row) -> Any:
+    return jax.tree.map(lambda a: a[row["virtual"]], ctx.stage_params)
+
+
+def _micro(tree: Any, row: Row) -> Any:
+    return jax.tree.map(lambda a: a[row["micro"]], tree)
+
+
+def _embed(ctx: _Context, row: Row) -> tuple[jax.Array, Callable[..., Any]]:
+    embed = ctx.ends.embed_fn
+    return jax.vjp(lambda ep: embed(ep, _micro(ctx.inputs, row)), ctx.ends.embed_params)
+
+
+def _forward(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, last: bool) -> Branch:
+    """F: the chunk's forward; its vjp residuals stashed; y sent on, or the loss taken."""
+    state = dict(state)
+    zeros = jnp.zeros_like(state["recv_x"])
+    x = _embed(ctx, row)[0] if first else state["x_box"][jnp.maximum(row["x_in"], 0)]
+    p = _chunk(ctx, row)
+    y, vjp = jax.vjp(ctx.stage_fn, p, _like(x, zeros))
+    leaves = jax.tree.leaves(vjp)
+    assert _param_mask(leaves, p) == ctx.keep, "stage_fn's residuals differ between traces"
+    stashed = [leaf for leaf, k in zip(leaves, ctx.keep, strict=True) if k < 0]
+    state["stash"] = [
+        _store(b, row["stash"], leaf) for b, leaf in zip(state["stash"], stashed, strict=True)
+    ]
+    if not last:
+        return state, _like(y, zeros), zeros
+    loss_fn = ctx.ends.loss_fn
+    loss, (d_loss_params, dy) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
+        ctx.ends.loss_params, y, _micro(ctx.targets, row)
+    )
+    state["loss"] = state["loss"] + _like(loss.astype(jnp.float32), state["loss"])
+    state["loss_grads"] = _add(state["loss_grads"], d_loss_params)
+    state["dy_box"] = _store(state["dy_box"], row["dy_in"], dy)
+    return state, zeros, zeros
+
+
+def _rebuilt_vjp(ctx: _Context, state: dict[str, Any], row: Row) -> Any:
+    params = jax.tree.leaves(_chunk(ctx, row))
+    stored = iter(buf[jnp.maximum(row["stash"], 0)] for buf in state["stash"])
+    leaves = [next(stored) if k < 0 else params[k] for k in ctx.keep]
+    return jax.tree.unflatten(ctx.vjp_def, leaves)
+
+
+def _backward(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, last: bool) -> Branch:
+    """B: the input gradient sent back (chunk 0: into the embedding); unsplit schedules also
+    take the weight gradient here."""
+    weights = not ctx.schedule.split
+    return _apply_vjp(ctx, state, row, first=first, weights=weights, send=not first)
+
+
+def _weights(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, last: bool) -> Branch:
+    """W (split schedules): the weight gradient of a chunk whose B already ran."""
+    return _apply_vjp(ctx, state, row, first=first, weights=True, send=False)
+
+
+def _apply_vjp(
+    ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, weights: bool, send: bool
+) -> Branch:
+    state = dict(state)
+    zeros = jnp.zeros_like(state["recv_x"])
+    dy = state["dy_box"][jnp.maximum(row["dy_in"], 0)]
+    dp, dx = _rebuilt_vjp(ctx, state, row)(dy)
+    if weights:
+        state["grads"] = jax.tree.map(
+            lambda acc, g: acc.at[row["virtual"]].add(_like(g, acc)), state["grads"], dp
+        )
+        if first:  # the embedding's weights: its vjp re-run on this microbatch's input
+            (d_embed,) = _embed(ctx, row)[1](_like(dx, zeros))
+            state["embed_grads"] = _add(state["embed_grads"], d_embed)
+    return state, zeros, _like(dx, zeros) if send else zeros
+
+
+def _scoped(branch: Callable[..., Branch], index: int) -> Callable[..., Branch]:
+    def run(*args: Any) -> Branch:
+        with jax.named_scope(BRANCH_SCOPE.format(index)):
+            return branch(*args)
+
+    return run
+
+
+def pipeline_forward(
+    schedule: Schedule,
+    stage_fn: StageFn,
+    stage_params: Any,
+    embed_fn: EmbedFn,
+    embed_params: Any,
+    head_fn: Callable[[Any, jax.Array], jax.Array],
+    head_params: Any,
+    inputs: Any,
+    *,
+    axis: str = "stage",
+) -> jax.Array:
+    """The schedule's forwards alone; call inside ``shard_map`` over ``axis``.
+
+    ``head_fn(head_params, y) -> out`` runs after the last chunk (an inference head: logits).
+    Returns out[M, ...] of every microbatch, the same on every stage (summed over ``axis``
+    from the one device that holds the last chunk; the others contribute zeros).
+    """
+    _check_shapes(schedule, stage_params, inputs, None, axis)
+    tab = forward_tables(schedule)
+    act_axes = tree_varying_axes(inputs) | {axis}
+    stage_params = vary_tree(stage_params, act_axes)
+    embed_params = vary_tree(embed_params, act_axes)
+    head_params = vary_tree(head_params, act_axes)
+    x0 = vary(embed_fn(embed_params, jax.tree.map(lambda a: a[0], inputs)), act_axes)
+    chunk0 = jax.tree.map(lambda a: a[0], stage_params)
+    _check_no_permutes(
+        lambda p, x, ep, hp, i: (stage_fn(p, x), embed_fn(ep, i), head_fn(hp, x)),
+        chunk0, x0, embed_params, head_params, jax.tree.map(lambda a: a[0], inputs),
+    )  # fmt: skip
+    out0 = head_fn(head_params, stage_fn(chunk0, x0))
+    act = jnp.zeros_like(x0)
+    state = dict(
+        x_box=_buffer(tab.x_slots, act, 0.0),
+        out=_buffer(schedule.micro, vary(out0, act_axes), 0.0),
+        recv=act,
+    )
+    stage = jax.lax.axis_index(axis)
+    pairs = forward_pairs(schedule)
+    ends = (embed_fn, embed_params, head_fn, head_params)
+    branches = _forward_branches(stage_fn, stage_params, ends, inputs, act)
+
+    def tick(send: bool) -> Callable[..., Any]:
+        def body(state: dict[str, Any], rows: dict[str, jax.Array]) -> tuple[Any, None]:
+            row = {k: v[stage] for k, v in rows.items()}
+            state = dict(state, x_box=_store(state["x_box"], row["x_arrive"], state["recv"]))
+            state, out = jax.lax.switch(row["branch"], branches, state, row)
+            state["recv"] = jax.lax.ppermute(out, axis, pairs) if send else act
+            return state, None
+
+        return body
+
+    for start, stop, send in tab.segments():
+        rows = {k: jnp.asarray(v) for k, v in tab.rows(start, stop).items()}
+        state, _ = jax.lax.scan(tick(send), state, rows)
+    return jax.lax.psum(state["out"], axis)
+
+
+def _forward_branches(
+    stage_fn: StageFn, stage_params: Any, ends: tuple[Any, ...], inputs: Any, act: jax.Array
+) -> list[Callable[..., tuple[Any, jax.Array]]]:
+    """``pipeline_forward``'s switch: idle, then F for each (first chunk, last chunk)."""
+    embed_fn, embed_params, head_fn, head_params = ends
+
+    def forward(first: bool, last: bool, state: dict[str, Any], row: Row) -> tuple[Any, Any]:
+        state = dict(state)
+        chunk = jax.tree.map(lambda a: a[row["virtual"]], stage_params)
+        if first:
+            x = _like(embed_fn(embed_params, _micro(inputs, row)), act)
+        else:
+            x = state["x_box"][jnp.maximum(row["x_in"], 0)]
+        y = stage_fn(chunk, x)
+        if not last:
+            return state, _like(y, act)
+        out = _like(head_fn(head_params, y), state["out"])
+        state["out"] = jax.lax.dynamic_update_index_in_dim(state["out"], out, row["micro"], 0)
+        return state, act
+
+    return [lambda state, row: (state, act)] + [
+        functools.partial(forward, first, last) for first in (False, True) for last in (False, True)
+    ]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _check_no_permutes(fn: Callable[..., Any], *args: Any) -> None:
+    """ValueError (one sentence) if ``fn`` (a chunk, the embedding or the loss, with their
+    backward) runs a ``ppermute``: it would run inside a schedule branch (module docstring)."""
+    axes = sorted(_permute_axes(jax.make_jaxpr(fn)(*args).jaxpr))
+    if axes:
+        raise ValueError(
+            f"The pipeline's stage, embedding or loss function runs a ppermute over "
+            f"{', '.join(map(repr, axes))}, which cannot run inside a schedule branch that only "
+            "some stages take (XLA's collective-permute spans every stage); use collectives "
+            "whose groups lie within a stage (psum, all_gather, psum_scatter, all_to_all)."
+        )
+
+
+def _permute_axes(jaxpr: Any) -> set[str]:
+    """The axes of every ``ppermute`` in ``jaxpr`` and the jaxprs nested in its equations."""
+    out: set[str] = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "ppermute":
+            names = eqn.params["axis_name"]
+            out |= set(names if isinstance(names, tuple) else (names,))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out |= _permute_axes(inner)
+    return out
+
+
+def _add(acc: Any, grads: Any) -> Any:
+    return jax.tree.map(lambda a, g: a + _like(g, a), acc, grads)
+
+
+def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
+    """buffer with ``value`` at ``slot``; unchanged where slot < 0."""
+    index = jnp.maximum(slot, 0)
+    value = jnp.where(slot >= 0, _like(value, buffer), buffer[index])
+    return jax.lax.dynamic_update_index_in_dim(buffer, value, index, 0)
+
+
+def _like(x: jax.Array, ref: jax.Array) -> jax.Array:
+    """x cast to ref's dtype and typed varying over (at least) ref's axes."""
+    return vary(x.astype(ref.dtype), varying_axes(ref))
+
+
+def _buffer(slots: int, like: jax.Array, fill: float) -> jax.Array:
+    """[slots, *like.shape] of ``fill`` (integer residuals: 0), typed like ``like``."""
+    value = fill if jnp.issubdtype(like.dtype, jnp.floating) else 0
+    return vary(jnp.full((slots, *like.shape), value, like.dtype), varying_axes(like))
+
+
+def _param_mask(leaves: list[Any], params: Any) -> tuple[int, ...]:
+    """Per vjp leaf: the index of the chunk param it is, or −1 if it must be stashed."""
+    param_ids = {id(p): i for i, p in enumerate(jax.tree.leaves(params))}
+    return tuple(param_ids.get(id(leaf), -1) for leaf in leaves)

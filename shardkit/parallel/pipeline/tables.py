@@ -1,0 +1,236 @@
+"""A pipeline schedule compiled into the static int32 tables the engine scans (numpy only).
+
+``tables(schedule)`` gives, per tick and stage, the action to run (``branch_index``), its
+microbatch and chunk, and the stash / inbox slot it reads or writes, with slots assigned by
+interval colouring so each buffer holds only what the busiest stage keeps in flight;
+``forward_tables`` does the same for the forwards alone (inference). Nothing here traces: the
+tables are data, tested against the schedule grid directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from shardkit.parallel.pipeline.schedules import Schedule
+
+IDLE = 0
+KIND_INDEX = {"F": 0, "B": 1, "W": 2}
+# Named scopes of the segment scans and the branches: collectives inside a branch carry both in
+# their HLO op_name, so a ledger can count each by how often each stage runs it (``branch_runs``).
+SEGMENT_SCOPE = "pp_segment{}"
+BRANCH_SCOPE = "pp_branch{}"
+
+
+def branch_index(kind: str, first: bool, last: bool) -> int:
+    """The ``lax.switch`` branch of an action: idle is 0, then (kind, first chunk, last chunk)."""
+    return 1 + 4 * KIND_INDEX[kind] + 2 * first + last
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+    """The schedule as int32 arrays [ticks, S] the engine scans, and its buffer sizes.
+
+    branch: ``branch_index`` of the action (0: idle); micro, virtual: the action's
+    microbatch and chunk-on-device; stash, x_in, dy_in: the slot the action reads or writes
+    (−1: none); x_arrive, dy_arrive: the slot the value received at this tick's start is
+    stored in (−1: nothing arrives). sends_x / sends_dy [ticks]: some stage sends.
+    """
+
+    branch: np.ndarray
+    micro: np.ndarray
+    virtual: np.ndarray
+    stash: np.ndarray
+    x_in: np.ndarray
+    dy_in: np.ndarray
+    x_arrive: np.ndarray
+    dy_arrive: np.ndarray
+    sends_x: np.ndarray
+    sends_dy: np.ndarray
+    stash_slots: int
+    x_slots: int
+    dy_slots: int
+
+    def rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
+        names = ("branch", "micro", "virtual", "stash", "x_in", "dy_in", "x_arrive", "dy_arrive")
+        return {name: getattr(self, name)[start:stop] for name in names}
+
+    def segments(self) -> list[tuple[int, int, bool, bool]]:
+        """Runs (start, stop, sends_x, sends_dy) of ticks, each scanned with one send pattern.
+
+        Between the first cotangent send and the last activation send (1F1B's steady state)
+        one segment sends both ways every tick; elsewhere each run of ticks with the same
+        pattern is its own segment. So a schedule has at most a few segments whatever M is
+        (with S = 2, 1F1B's steady state alternates F and B every tick: one segment per tick
+        would make the program, and its compile time, grow with M).
+        """
+        x, dy = self.sends_x.tolist(), self.sends_dy.tolist()
+        ticks = len(x)
+        start = dy.index(True) if True in dy else ticks
+        stop = ticks - x[::-1].index(True) if True in x else 0
+        if start >= stop:
+            return _runs(x, dy, 0, ticks)
+        return [*_runs(x, dy, 0, start), (start, stop, True, True), *_runs(x, dy, stop, ticks)]
+
+    def sent(self) -> tuple[int, int]:
+        """(ticks that send activations, ticks that send cotangents) as the engine runs them:
+        one ``ppermute`` of one microbatch activation each."""
+        segs = self.segments()
+        return sum(b - a for a, b, sx, _ in segs if sx), sum(b - a for a, b, _, sd in segs if sd)
+
+
+Segment = tuple[int, int, bool, bool]
+
+
+def _runs(x: list[bool], dy: list[bool], start: int, stop: int) -> list[Segment]:
+    """Maximal runs of ticks in [start, stop) with the same (x, dy) send pattern."""
+    out: list[Segment] = []
+    for tick in range(start, stop):
+        key = (x[tick], dy[tick])
+        if out and (out[-1][2], out[-1][3]) == key:
+            out[-1] = (out[-1][0], tick + 1, *key)
+        else:
+            out.append((tick, tick + 1, *key))
+    return out
+
+
+def tables(schedule: Schedule) -> Tables:
+    """Compiles a schedule into the engine's tables (slots by interval colouring per stage)."""
+    S, C, T = schedule.stages, schedule.chunks, schedule.ticks
+    when: dict[tuple[str, int, int], int] = {}
+    for tick, row in enumerate(schedule.grid):
+        for stage, a in enumerate(row):
+            if a is not None:
+                when[(a.kind, a.virtual * S + stage, a.micro)] = tick
+    last_use = "W" if schedule.split else "B"
+    stash, x_box, dy_box = {}, {}, {}  # (chunk, micro) -> (stage, first tick, last tick)
+    for (kind, c, m), tick in when.items():
+        if kind != "F":
+            continue
+        stash[(c, m)] = (c % S, tick, when[(last_use, c, m)])
+        if c > 0:  # arrives the tick after F on the previous chunk
+            x_box[(c, m)] = (c % S, when[("F", c - 1, m)] + 1, tick)
+        start = tick if c == C - 1 else when[("B", c + 1, m)] + 1
+        dy_box[(c, m)] = (c % S, start, when[(last_use, c, m)])
+    slots = {name: _colour(box) for name, box in (("stash", stash), ("x", x_box), ("dy", dy_box))}
+
+    def table(fill: int = -1) -> np.ndarray:
+        return np.full((T, S), fill, np.int32)
+
+    t = {k: table() for k in ("stash", "x_in", "dy_in", "x_arrive", "dy_arrive")}
+    branch, micro, virtual = table(IDLE), table(0), table(0)
+    for (kind, c, m), tick in when.items():
+        s, v = c % S, c // S
+        micro[tick, s], virtual[tick, s] = m, v
+        branch[tick, s] = branch_index(kind, c == 0, c == C - 1)
+        t["stash"][tick, s] = slots["stash"][(c, m)]
+        t["dy_in"][tick, s] = slots["dy"][(c, m)]
+        if kind == "F" and c > 0:
+            t["x_in"][tick, s] = slots["x"][(c, m)]
+    for (c, m), (s, start, _) in x_box.items():
+        t["x_arrive"][start, s] = slots["x"][(c, m)]
+    for (c, m), (s, start, _) in dy_box.items():
+        if c < C - 1:
+            t["dy_arrive"][start, s] = slots["dy"][(c, m)]
+    sends_x = np.zeros(T, bool)
+    sends_dy = np.zeros(T, bool)
+    for (kind, c, _m), tick in when.items():
+        sends_x[tick] |= kind == "F" and c < C - 1
+        sends_dy[tick] |= kind == "B" and c > 0
+    sizes = {name: 1 + max(v.values(), default=0) for name, v in slots.items()}
+    return Tables(
+        branch, micro, virtual, t["stash"], t["x_in"], t["dy_in"], t["x_arrive"], t["dy_arrive"],
+        sends_x, sends_dy, sizes["stash"], sizes["x"], sizes["dy"],
+    )  # fmt: skip
+
+
+def branch_runs(schedule: Schedule) -> dict[tuple[int, int], np.ndarray]:
+    """(segment k, branch b) -> runs per stage [S]: how many ticks of segment k each stage
+    spends in branch b (``pipeline_grads``'s segments and ``branch_index``), and the segment
+    lengths under key (k, −1)."""
+    tab = tables(schedule)
+    out: dict[tuple[int, int], np.ndarray] = {}
+    for k, (start, stop, _, _) in enumerate(tab.segments()):
+        rows = tab.branch[start:stop]
+        out[(k, -1)] = np.full(schedule.stages, stop - start)
+        for b in np.unique(rows).tolist():
+            out[(k, b)] = (rows == b).sum(axis=0)
+    return out
+
+
+def _colour(intervals: dict[Any, tuple[int, int, int]]) -> dict[Any, int]:
+    """Slot per key: per stage, closed [first, last] tick intervals sharing a slot never meet."""
+    slots: dict[Any, int] = {}
+    free_at: dict[int, list[int]] = {}  # stage -> per slot, the last tick it is busy
+    for key, (stage, first, last) in sorted(intervals.items(), key=lambda kv: kv[1][1]):
+        busy = free_at.setdefault(stage, [])
+        slot = next((i for i, end in enumerate(busy) if end < first), len(busy))
+        if slot == len(busy):
+            busy.append(last)
+        busy[slot] = last
+        slots[key] = slot
+    return slots
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardTables:
+    """A schedule's forwards alone, as the int32 arrays [ticks, S] ``pipeline_forward`` scans.
+
+    The schedule's F actions in their order, ticks without one dropped (the order, hence
+    every dependency, is kept). branch: 0 idle, else 1 + 2·first chunk + last chunk; micro,
+    virtual, x_in, x_arrive as in :class:`Tables`; sends [ticks]: some stage sends.
+    """
+
+    branch: np.ndarray
+    micro: np.ndarray
+    virtual: np.ndarray
+    x_in: np.ndarray
+    x_arrive: np.ndarray
+    sends: np.ndarray
+    x_slots: int
+
+    def rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
+        names = ("branch", "micro", "virtual", "x_in", "x_arrive")
+        return {name: getattr(self, name)[start:stop] for name in names}
+
+    def segments(self) -> list[tuple[int, int, bool]]:
+        """Runs (start, stop, sends) of ticks with the same send pattern."""
+        sends = self.sends.tolist()
+        return [(a, b, x) for a, b, x, _ in _runs(sends, [False] * len(sends), 0, len(sends))]
+
+
+def forward_tables(schedule: Schedule) -> ForwardTables:
+    """The forward-only tables of ``schedule`` (for inference: no stash, no cotangents)."""
+    S, C = schedule.stages, schedule.chunks
+    rows = [[a if a is not None and a.kind == "F" else None for a in row] for row in schedule.grid]
+    rows = [row for row in rows if any(a is not None for a in row)]
+    when = {
+        (a.virtual * S + s, a.micro): t
+        for t, row in enumerate(rows)
+        for s, a in enumerate(row)
+        if a is not None
+    }
+    x_box = {(c, m): (c % S, when[(c - 1, m)] + 1, t) for (c, m), t in when.items() if c > 0}
+    slots = _colour(x_box)
+    shape = (len(rows), S)
+    branch, micro, virtual = (np.zeros(shape, np.int32) for _ in range(3))
+    x_in, x_arrive = np.full(shape, -1, np.int32), np.full(shape, -1, np.int32)
+    sends = np.zeros(len(rows), bool)
+    for (c, m), t in when.items():
+        s = c % S
+        branch[t, s] = 1 + 2 * (c == 0) + (c == C - 1)
+        micro[t, s], virtual[t, s] = m, c // S
+        sends[t] |= c < C - 1
+        if c > 0:
+            x_in[t, s] = slots[(c, m)]
+            x_arrive[x_box[(c, m)][1], s] = slots[(c, m)]
+    size = 1 + max(slots.values(), default=0)
+    return ForwardTables(branch, micro, virtual, x_in, x_arrive, sends, size)
+
+
+def forward_pairs(schedule: Schedule) -> list[tuple[int, int]]:
+    """ppermute pairs stage s -> s+1 (wrapping round when chunks are interleaved, V > 1)."""
+    S = schedule.stages
+    return [(s, (s + 1) % S) for s in range(S if schedule.virtual > 1 else S - 1)]
