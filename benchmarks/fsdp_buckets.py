@@ -29,8 +29,9 @@ shardkit.set_cpu_devices(8)
 import jax  # noqa: E402
 
 import vit_ref  # noqa: E402
-from shardkit import ledger, verify  # noqa: E402
+from shardkit import ledger  # noqa: E402
 from shardkit.parallel import data as dp  # noqa: E402
+from shardkit.run import verify  # noqa: E402
 
 cfg = vit_ref.ViTConfig(image=32, patch=4, classes=10, dim=args.dim, depth=args.depth, heads=4,
                         mlp_dim=4 * args.dim, pool="tok")  # fmt: skip

@@ -27,7 +27,7 @@ import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from shardkit import ShardedModel, sequence, tensor, testing  # noqa: E402
-from shardkit.parallel import layouts  # noqa: E402
+from shardkit.parallel.sequence import layouts  # noqa: E402
 
 with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints the Zen
     import this

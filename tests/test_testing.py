@@ -18,18 +18,17 @@ from hypothesis import strategies as st
 
 import vit_ref
 from shardkit.mesh import AXES, Plan
+from shardkit.models.vit import check_plan, make_layout
+from shardkit.models.vit.strategies import sharded_cases, vit_configs
 from shardkit.testing import (
     assert_trees_close,
     factorisations,
     max_error,
     meshes,
     meshes_dividing,
-    sharded_cases,
     tree_errors,
-    vit_configs,
     worst_leaf,
 )
-from shardkit.vit import check_plan, make_layout
 
 SEQ_MODES = ("megatron", "ring", "ulysses", "usp")
 # Pure Python draws: many more than the ci profile's count cost well under a second each.

@@ -16,7 +16,8 @@ shardkit.set_cpu_devices(8)
 import jax  # noqa: E402
 
 import vit_ref  # noqa: E402
-from shardkit import ledger, verify  # noqa: E402
+from shardkit import ledger  # noqa: E402
+from shardkit.run import verify  # noqa: E402
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
     python docs/measure/pipeline_memory.py      # ~3 minutes on 2 cores
 
-The model and plan of ``tests/test_vit_pipeline.py`` (a 2-layer ViT, dim 16, on stage=2, 4
+The model and plan of ``tests/models/test_vit_pipeline.py`` (a 2-layer ViT, dim 16, on stage=2, 4
 examples per microbatch, so the batch grows with M); temp bytes from ``memory_analysis`` of the
 compiled train step (never run). Output: ``docs/img/pipeline_memory.png`` and the numbers on
 stdout.

@@ -6,7 +6,7 @@ Output: ``docs/img/pipeline_schedules.png`` (ticks × stages, coloured by action
 M=8; interleaved with V=2) and ``docs/strategies/measured/pipeline.txt`` (per schedule: ticks,
 bubble from the table and its formula, peak in-flight microbatches per stage, and the engine's
 stash slots and compiled temp memory per device for M = 4, 8, 16 on the test model of
-``tests/test_pipeline.py``).
+``tests/parallel/test_pipeline.py``).
 """
 
 import pathlib
@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from shardkit.parallel import pipeline as pl  # noqa: E402
-from shardkit.parallel import schedules as sc  # noqa: E402
+from shardkit.parallel.pipeline import schedules as sc  # noqa: E402
 
 DOCS = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(DOCS.parent / "tests"))

@@ -16,9 +16,9 @@ import shardkit
 shardkit.set_cpu_devices(8)
 
 import vit_ref  # noqa: E402
-from shardkit.comm import report  # noqa: E402
 from shardkit.comm.plot import plot_report  # noqa: E402
 from shardkit.mesh import Plan  # noqa: E402
+from shardkit.models.vit import report  # noqa: E402
 
 OUT = pathlib.Path(__file__).resolve().parents[1] / "strategies" / "measured"
 CFG = vit_ref.ViTConfig(

@@ -425,9 +425,6 @@ def _collective(
     )
 
 
-
-
-
 GROUPS = "axis groups"
 
 

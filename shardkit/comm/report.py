@@ -44,9 +44,7 @@ class Row:
             return False
         if not (self.patterns and self.expected_patterns):
             return True
-        return not compare_patterns(
-            {key: self.expected_patterns}, {key: self.patterns}, (), RTOL
-        )
+        return not compare_patterns({key: self.expected_patterns}, {key: self.patterns}, (), RTOL)
 
     @property
     def pattern(self) -> str:

@@ -345,37 +345,25 @@ def train(
     lead = jax.process_index() == 0  # the one process that writes files and shows progress
     loader = Loader(ds.train_images, ds.train_labels, opts.batch, opts.seed)
     optimizer, _ = optimizers(opts)
-    params = model.shard(vit_ref.init(jax.random.key(opts.seed), cfg))
-    state = {"params": params, "opt_state": model.init_opt_state(optimizer, params)}
-    start, records = 0, list[dict[str, Any]]()
-    if resume is not None:
-        state, start, records = resume_state(resume, model, opts, state)
+    state, start, records = _initial_state(model, opts, optimizer, resume)
     run = Run(out, write=lead)
     run.start(records)
     config = run_config(model, opts, ds, loader) | (extra_config or {})
-    if resume is not None:
-        config["resumed"] = {"from": str(resume), "step": start}
+    config |= {"resumed": {"from": str(resume), "step": start}} if resume is not None else {}
     run.write_config(config)
     step_fn, eval_step, config["compile_s"] = compile_steps(
         model, opts, state["params"], state["opt_state"], optimizer
     )
     run.write_config(config)
     beat()  # compiled: the watchdog's clock starts now
-    saver = checkpoints and checkpoint.Checkpointer(
-        out / "checkpoints", checkpoints.every, checkpoints.keep
-    )
+    saver = _checkpointer(out, checkpoints)
     bar = _progress(opts.steps, progress and lead, initial=start)
     try:
         batches = loader.batches(start, opts.steps, model.sharding(model.batch_spec))
         for step, batch in enumerate(batches, start=start + 1):
             params, opt_state, record = _train_step(step_fn, state, batch, opts, loader, step)
             state = {"params": params, "opt_state": opt_state}
-            if not math.isfinite(record["loss"]):
-                run.append(record)
-                raise TrainingDivergedError(
-                    f"The loss became {record['loss']} at step {step}; stopped (records so far "
-                    f"are in {out / 'metrics.jsonl'})."
-                )
+            _check_finite(record, step, run)
             if step % opts.eval_every == 0 or step == opts.steps:
                 record |= evaluate(eval_step, params, ds, opts.batch, model)
             run.append(record)
@@ -390,6 +378,37 @@ def train(
         if lead:
             plot_curves(run.records, out / "curves.png")
     return run.records[-1]
+
+
+def _initial_state(
+    model: ShardedViT, opts: TrainOptions, optimizer: Any, resume: pathlib.Path | None
+) -> tuple[dict[str, Any], int, list[dict[str, Any]]]:
+    """(params and optimizer state, the step they are at, the records so far): fresh from the
+    seed, or the newest valid checkpoint of ``resume`` placed on this model's plan."""
+    params = model.shard(vit_ref.init(jax.random.key(opts.seed), model.cfg))
+    state = {"params": params, "opt_state": model.init_opt_state(optimizer, params)}
+    if resume is None:
+        return state, 0, []
+    return resume_state(resume, model, opts, state)
+
+
+def _checkpointer(
+    out: pathlib.Path, checkpoints: CheckpointOptions | None
+) -> checkpoint.Checkpointer | None:
+    """The run's checkpoint writer under ``out/checkpoints``, or None without checkpoints."""
+    if checkpoints is None:
+        return None
+    return checkpoint.Checkpointer(out / "checkpoints", checkpoints.every, checkpoints.keep)
+
+
+def _check_finite(record: dict[str, Any], step: int, run: Run) -> None:
+    """Records ``record`` and raises ``TrainingDivergedError`` if its loss is not finite."""
+    if not math.isfinite(record["loss"]):
+        run.append(record)
+        raise TrainingDivergedError(
+            f"The loss became {record['loss']} at step {step}; stopped (records so far "
+            f"are in {run.out / 'metrics.jsonl'})."
+        )
 
 
 def _train_step(

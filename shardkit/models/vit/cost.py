@@ -4,8 +4,8 @@
 ``ShardedViT.train_step``, every collective it needs: kind, the mesh axes it spans, how many
 times it runs per step and the bytes one device sends, each :class:`Term` with the reason it is
 necessary. Nothing here compiles or measures anything: the numbers come from the config and the
-plan alone, so comparing them with ``shardkit.ledger``'s measurement of the compiled program
-(``shardkit.report``) is a real check, the "communication contract" of DESIGN.md.
+plan alone, so comparing them with ``comm.ledger``'s measurement of the compiled program
+(``models.vit.report``) is a real check, the "communication contract" of DESIGN.md.
 
 Notation (scaling book; the dimension alphabet of ``vit_ref``)
   ``x[I_X, J]``: dim I split over mesh axis X; ``{U_X}``: an unreduced partial sum over X.
@@ -106,8 +106,7 @@ class ViTExpectation(Expectation):
     def title(self) -> str:
         c, p = self.cfg, self.plan
         model = (
-            f"ViT dim={c.dim} depth={c.depth} heads={c.heads} mlp={c.mlp_dim} "
-            f"tokens={c.num_tokens}"
+            f"ViT dim={c.dim} depth={c.depth} heads={c.heads} mlp={c.mlp_dim} tokens={c.num_tokens}"
         )
         plan = f"mesh {format_mesh(p.mesh)} sp={p.sp} zero={p.zero} remat={p.remat}"
         if p.pp != "none":

@@ -101,6 +101,14 @@ def pipeline_grads(
     stage = jax.lax.axis_index(axis)
     ctx = _Context(schedule, stage_fn, stage_params, ends, inputs, targets, axis, stage,
                    vjp_def, keep)  # fmt: skip
+    state = _run_segments(ctx, tab, state)
+    ends_sums = (state["loss"], state["embed_grads"], state["loss_grads"])
+    loss, embed_grads, loss_grads = jax.lax.psum(ends_sums, axis)
+    return loss, state["grads"], embed_grads, loss_grads
+
+
+def _run_segments(ctx: _Context, tab: Tables, state: dict[str, Any]) -> dict[str, Any]:
+    """Scans the ticks segment by segment, each compiling only the branches it runs."""
     for k, (start, stop, send_x, send_dy) in enumerate(tab.segments()):
         rows = tab.rows(start, stop)
         # Only the branches this segment runs are compiled into its switch (row → position).
@@ -109,10 +117,7 @@ def pipeline_grads(
         body = _tick_body(ctx, send_x, send_dy, used)
         with jax.named_scope(SEGMENT_SCOPE.format(k)):
             state, _ = jax.lax.scan(body, state, {n: jnp.asarray(v) for n, v in rows.items()})
-    loss, embed_grads, loss_grads = jax.lax.psum(
-        (state["loss"], state["embed_grads"], state["loss_grads"]), axis
-    )
-    return loss, state["grads"], embed_grads, loss_grads
+    return state
 
 
 def _typed_for_branches(

@@ -119,38 +119,31 @@ def sharded_attention(
 
     Returns:
       out [b, t, h, k] and float32 lse [b, h, t], as ``attention_local`` on the whole arrays.
-      A convenience for users and tests: when t does not divide, slicing the padded, seq-sharded
-      results back makes XLA gather them outside ``shard_map``. Models should keep activations
-      padded and call the ``attention_*`` functions inside their own ``shard_map``.
+      A convenience for users and tests (slicing padded, seq-sharded results back makes XLA
+      gather them): models keep activations padded and call ``attention_*`` in their shard_map.
     """
     _check_global(q, k, mesh)
     _check_num_valid(num_valid)
     n, s = mesh.shape["seq"], k.shape[1]
     mesh, seq, attn = _mode_plan(mesh, mode, q.shape[2], ulysses, key_chunk)
-    spec = P("data", seq, "model", None)
     given = {"q": q, "k": k, "v": v, "key_valid": key_valid, "segment_ids": segment_ids}
     args, in_specs = _padded_inputs(given, n, seq, layout)
     num_valid = s if num_valid is None else min(num_valid, s)
 
-    def body(a: dict[str, Array]) -> tuple:
-        return attn(
-            a["q"],
-            a["k"],
-            a["v"],
-            a.get("key_valid"),
-            num_valid=num_valid,
-            causal=causal,
-            layout=layout,
-            segment_ids=a.get("segment_ids"),
-        )
+    opts = dict(num_valid=num_valid, causal=causal, layout=layout)
 
-    sharded = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(in_specs,),
-        out_specs=(spec, P("data", "model", seq)),
-        check_vma=True,
-    )
-    out, lse = sharded(args)
+    def body(a: dict[str, Array]) -> tuple:
+        key_valid, segs = a.get("key_valid"), a.get("segment_ids")
+        return attn(a["q"], a["k"], a["v"], key_valid, segment_ids=segs, **opts)
+
+    out_specs = (P("data", seq, "model", None), P("data", "model", seq))
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs)
+    return _in_sequence_order(*sharded(args), n, layout, q.shape[1])
+
+
+def _in_sequence_order(
+    out: Array, lse: Array, n: int, layout: str, tokens: int
+) -> tuple[Array, Array]:
+    """out, lse permuted back from ``layout`` and sliced to the true ``tokens``."""
     out, lse = layouts.from_layout(out, n, layout), layouts.from_layout(lse, n, layout, axis=2)
-    return out[:, : q.shape[1]], lse[..., : q.shape[1]]
+    return out[:, :tokens], lse[..., :tokens]

@@ -106,8 +106,8 @@ def test_a_forgotten_sync_axis_fails_no_implicit_collectives() -> None:
 
 def test_the_sharded_vits_steps_have_no_implicit_collectives() -> None:
     import vit_ref
-    from shardkit.comm import report
     from shardkit.mesh import Plan
+    from shardkit.models.vit import report
 
     cfg = vit_ref.ViTConfig(
         image=8, patch=2, channels=1, classes=10, dim=32, depth=2, heads=4, mlp_dim=64,

@@ -1,7 +1,7 @@
 """Communication contracts: every compiled train step sends exactly what shardkit.cost says.
 
 For compositions beyond ``shardkit.verify.default_matrix()`` (whose every strategy
-``tests/test_cli.py::test_verify_default_matrix_passes`` holds to its contract through
+``tests/run/test_cli.py::test_verify_default_matrix_passes`` holds to its contract through
 ``shardkit verify``) the full train step (forward, backward, AdamW update) is compiled — never
 run — and its ledger must equal the analytic expectation: the same op count per (kind, axes),
 bytes within 1%, and the same patterns.
@@ -22,14 +22,14 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import shardkit.tensor
-import shardkit.vit
+import shardkit.models.vit.model
+import shardkit.parallel.tensor
 import vit_ref
-from shardkit import cost, report
-from shardkit.ledger import Ledger, measure, parse_hlo
+from shardkit.comm.ledger import Ledger, measure, parse_hlo
 from shardkit.mesh import Plan, make_mesh
-from shardkit.verify import default_matrix
-from shardkit.vit import ShardedViT
+from shardkit.models.vit import ShardedViT, cost, report
+from shardkit.run import bench
+from shardkit.run.verify import default_matrix
 from vit_ref.train import apply_optimizer
 
 CFG = vit_ref.ViTConfig(
@@ -125,13 +125,13 @@ def test_the_anchor_fsdp_keeps_gathered_weights():
 
 def test_naive_autodiff_sends_more_than_the_minimum(monkeypatch):
     """Without Megatron's f, each of q, k, v all-reduces its own cotangent: 22.47 MB."""
-    enter = shardkit.tensor.enter_tp
+    enter = shardkit.parallel.tensor.enter_tp
 
     def naive_enter(x, axis, *, token_dim=None):
         # No explicit f: x stays invariant over model; autodiff casts it once per projection.
         return x if token_dim is None else enter(x, axis, token_dim=token_dim)
 
-    monkeypatch.setattr(shardkit.tensor, "enter_tp", naive_enter)
+    monkeypatch.setattr(shardkit.parallel.tensor, "enter_tp", naive_enter)
     rep = report.inspect(ANCHOR, Plan({"data": 4, "model": 2}), ANCHOR_BATCH)
     assert round(rep.measured_bytes_sent / MB, 2) == 22.47
     assert round(rep.expected_bytes_sent / MB, 2) == 18.21
@@ -144,7 +144,7 @@ def test_naive_autodiff_sends_more_than_the_minimum(monkeypatch):
 def test_xlas_automatic_partitioner_does_not_beat_the_minimum():
     """The same model and mesh under jit + NamedSharding, no shard_map (docs/communication.md)."""
     plan = Plan({"data": 4, "model": 2})
-    auto = report.measure_auto(CFG, plan, BATCH)
+    auto = bench.measure_auto(CFG, plan, BATCH)
     minimum = cost.expected(CFG, plan, BATCH).total_bytes_sent()
     assert auto.total_bytes_sent() >= minimum
     assert {axes for _, axes in auto.summary()} <= {("data",), ("model",), ("data", "model")}
@@ -184,13 +184,13 @@ def test_closing_over_a_sharded_array_breaks_the_contract():
 
 
 def test_an_extra_psum_breaks_the_contract(monkeypatch):
-    pool = shardkit.vit._pool_local
+    pool = shardkit.models.vit.model._pool_local
 
     def pool_twice(x, cfg, lay):
         # BUG: a psum of an already-summed (invariant) value: n·x / n, one all-reduce each way.
         return jax.lax.pmean(pool(x, cfg, lay), "model")
 
-    monkeypatch.setattr(shardkit.vit, "_pool_local", pool_twice)
+    monkeypatch.setattr(shardkit.models.vit.model, "_pool_local", pool_twice)
     rep = report.model_report(ShardedViT(CFG, Plan({"data": 4, "model": 2})), BATCH)
     assert rep.mismatches == ["all-reduce over model: 10 ops measured, 8 expected."]
 
@@ -218,7 +218,7 @@ def test_report_json_table_and_hlo(tmp_path):
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
-    from shardkit.plot import plot_report, traffic_matrix
+    from shardkit.comm.plot import plot_report, traffic_matrix
 
     rep = case_report("2×2×2 ring+TP+FSDP")
     path = plot_report(rep, tmp_path / "pattern.png")

@@ -1,6 +1,6 @@
 """The pipelined ViT equals vit_ref: logits, every gradient leaf and one AdamW step.
 
-``testing.pipeline_cases`` draws a schedule (GPipe, 1F1B, interleaved, ZB-H1), stage 2..8,
+``strategies.pipeline_cases`` draws a schedule (GPipe, 1F1B, interleaved, ZB-H1), stage 2..8,
 microbatches as the schedule allows (not only multiples of S), and composes it with data, model
 (TP or Megatron-SP), seq (Ulysses) and FSDP on the remaining devices; explicit examples pin one
 case per schedule. Each case compiles the forward and the gradients (the step is taken from
@@ -18,9 +18,8 @@ from hypothesis import example, given, settings
 
 import vit_ref
 from shardkit import testing
-from shardkit.comm import report
 from shardkit.mesh import Plan
-from shardkit.models.vit import ShardedViT
+from shardkit.models.vit import ShardedViT, report, strategies
 from shardkit.run.verify import make_batch
 
 TINY = vit_ref.ViTConfig(
@@ -35,7 +34,7 @@ def _case(pp: str, mesh: dict, micro: int, **kw) -> tuple[vit_ref.ViTConfig, Pla
     return dataclasses.replace(TINY, depth=depth), plan, mesh.get("data", 1) * micro
 
 
-@given(testing.pipeline_cases())
+@given(strategies.pipeline_cases())
 @settings(max_examples=1)  # one drawn case beside the four explicit ones (~35 s each on CI)
 @example(_case("gpipe", {"data": 2, "stage": 2, "model": 2}, 3, fsdp=True))
 @example(_case("1f1b", {"stage": 4, "model": 2}, 5, sp="megatron"))

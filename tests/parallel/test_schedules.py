@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardkit.mesh import PlanError
-from shardkit.parallel import schedules as sc
+from shardkit.parallel.pipeline import schedules as sc
 
 # Pure Python and fast: many more examples than the ci profile's default.
 MANY = settings(max_examples=200)

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardkit import ledger
 from shardkit.mesh import make_mesh
-from shardkit.tensor import (
+from shardkit.parallel.tensor import (
     attention_tp,
     dense_column,
     dense_row,

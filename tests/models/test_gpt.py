@@ -19,9 +19,9 @@ import pytest
 
 import shardkit
 from shardkit.comm import contract
-from shardkit.parallel import layouts
+from shardkit.parallel.sequence import layouts
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("gpt", ROOT / "examples" / "gpt.py")
 gpt = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpt)

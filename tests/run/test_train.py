@@ -14,10 +14,9 @@ import pytest
 
 import vit_ref
 from shardkit import cli
-from shardkit.comm import report
 from shardkit.comm.ledger import Tally
 from shardkit.mesh import Plan
-from shardkit.models.vit import ShardedViT
+from shardkit.models.vit import ShardedViT, report
 from shardkit.run import datasets, train
 from shardkit.run.datasets import Loader
 from shardkit.testing import tree_errors

@@ -22,9 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardkit.mesh import PlanError, make_mesh
-from shardkit.parallel import layouts
-from shardkit.parallel.layouts import LAYOUTS, from_layout, to_layout
-from shardkit.sequence import (
+from shardkit.parallel.sequence import (
     MASK_VALUE,
     SEQ_RING,
     SEQ_ULYSSES,
@@ -35,6 +33,7 @@ from shardkit.sequence import (
     attention_ulysses,
     attention_usp,
     heads_to_seq,
+    layouts,
     pad_tokens,
     ring_work,
     seq_to_heads,
@@ -42,6 +41,7 @@ from shardkit.sequence import (
     usp_factor,
     usp_mesh,
 )
+from shardkit.parallel.sequence.layouts import LAYOUTS, from_layout, to_layout
 from vit_ref.model import attention_core
 
 TOL = 1e-5

@@ -13,8 +13,8 @@ import pytest
 
 import vit_ref
 from shardkit import cli
-from shardkit.comm import report
 from shardkit.mesh import Plan
+from shardkit.models.vit import report
 from shardkit.run import bench
 from shardkit.run.verify import Case, make_batch
 

@@ -16,7 +16,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardkit.ledger import KINDS, Collective, Ledger, format_table, measure, parse_hlo
+from shardkit.comm.ledger import KINDS, Collective, Ledger, format_table, measure, parse_hlo
 from shardkit.mesh import make_mesh
 
 ADD = """%add (a: f32[], b: f32[]) -> f32[] {

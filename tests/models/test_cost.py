@@ -1,6 +1,6 @@
 """Tests for shardkit.cost: the analytic cost model on paper (nothing here compiles).
 
-The compiled programs are held to these numbers in tests/test_contracts.py; here the formulas
+The compiled programs are held to these numbers in tests/models/test_contracts.py; here the formulas
 are checked against hand computation, against each other (identities that must hold whatever
 the plan) and against DESIGN.md's anchor figures.
 """
@@ -13,9 +13,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import vit_ref
-from shardkit import cost
-from shardkit.ledger import Tally
+from shardkit.comm import bytes as ring
+from shardkit.comm import contract, terms
+from shardkit.comm.ledger import Tally
 from shardkit.mesh import Plan, PlanError
+from shardkit.models.vit import cost
 
 CFG = vit_ref.ViTConfig(
     image=32, patch=4, classes=10, dim=64, depth=2, heads=8, mlp_dim=128, pool="tok"
@@ -50,12 +52,12 @@ def counts(e):
 
 
 def test_ring_model_table():
-    assert cost.all_reduce_bytes(64, 4) == 96
-    assert cost.all_gather_bytes(64, 4) == 48
-    assert cost.reduce_scatter_bytes(64, 4) == 48
-    assert cost.all_to_all_bytes(64, 4) == 48
-    assert cost.permute_bytes(64) == 64
-    assert cost.all_reduce_bytes(64, 1) == 0
+    assert ring.all_reduce_bytes(64, 4) == 96
+    assert ring.all_gather_bytes(64, 4) == 48
+    assert ring.reduce_scatter_bytes(64, 4) == 48
+    assert ring.all_to_all_bytes(64, 4) == 48
+    assert ring.permute_bytes(64) == 64
+    assert ring.all_reduce_bytes(64, 1) == 0
 
 
 # --------------------------------------------------------------------------- data
@@ -64,7 +66,7 @@ def test_ring_model_table():
 def test_dp_is_one_all_reduce_of_every_gradient_plus_the_loss():
     e = cost.expected(CFG, Plan({"data": 8}), 16)
     assert counts(e) == {("all-reduce", ("data",)): 1}
-    assert e.total_bytes_sent() == cost.all_reduce_bytes((params(CFG) + 1) * W, 8)
+    assert e.total_bytes_sent() == ring.all_reduce_bytes((params(CFG) + 1) * W, 8)
 
 
 def test_step_end_all_reduces_over_the_same_devices_fuse_into_one_op():
@@ -110,11 +112,11 @@ def test_fsdp_without_remat_sends_the_same_bytes(plan, cfg):
 
 
 def test_zero1_sends_one_all_reduce_worth():
-    terms = cost.zero1_terms(split_elements=1000, replicated_elements=10, n=4)
+    terms = contract.zero1_terms(split_elements=1000, replicated_elements=10, n=4)
     assert [t.kind for t in terms] == ["reduce-scatter", "all-gather", "all-reduce"]
     total = sum(t.bytes_sent for t in terms)
-    assert total == cost.all_reduce_bytes(1000 * W, 4) + cost.all_reduce_bytes(10 * W, 4)
-    assert cost.zero1_terms(1000, 0, n=1) == []
+    assert total == ring.all_reduce_bytes(1000 * W, 4) + ring.all_reduce_bytes(10 * W, 4)
+    assert contract.zero1_terms(1000, 0, n=1) == []
 
 
 # --------------------------------------------------------------------------- tensor / sequence
@@ -124,7 +126,7 @@ def test_tp_is_four_all_reduces_per_block():
     e = cost.expected(CFG, Plan({"model": 8}), 16)
     activation = 16 * CFG.num_tokens * CFG.dim * W
     assert counts(e) == {("all-reduce", ("model",)): 4 * CFG.depth}
-    assert e.total_bytes_sent() == 4 * CFG.depth * cost.all_reduce_bytes(activation, 8)
+    assert e.total_bytes_sent() == 4 * CFG.depth * ring.all_reduce_bytes(activation, 8)
 
 
 def test_remat_re_runs_attentions_g_only():
@@ -187,7 +189,7 @@ def test_ulysses_is_four_all_to_alls_each_way():
     # cls and pos_embedding gradient rows at the step's end, (n−1)/n · 68 · d · w.
     gathers = [t for t in e.terms if t.kind == "all-gather"]
     assert [(t.axes, t.phase, t.bytes_sent) for t in gathers] == [
-        (("seq",), cost.STEP_END, cost.all_gather_bytes(68 * CFG.dim * W, 4))
+        (("seq",), cost.STEP_END, ring.all_gather_bytes(68 * CFG.dim * W, 4))
     ]
 
 
@@ -205,7 +207,7 @@ def test_pooling_over_token_shards_is_one_all_reduce():
     e = cost.expected(GAP, Plan({"seq": 8}, sp="ring"), 16)
     pool = [t for t in e.terms if t.what.startswith("pooled")]
     assert [(t.count, t.bytes_sent) for t in pool] == [
-        (1, cost.all_reduce_bytes(16 * GAP.dim * W, 8))
+        (1, ring.all_reduce_bytes(16 * GAP.dim * W, 8))
     ]
 
 
@@ -231,8 +233,8 @@ def test_design_anchor_figures():
 
 def test_compare_lists_each_broken_clause():
     want = {("all-reduce", ("data",)): Tally(1, 100.0)}
-    assert cost.compare(want, {("all-reduce", ("data",)): Tally(1, 100.5)}) == []
-    problems = cost.compare(
+    assert terms.compare(want, {("all-reduce", ("data",)): Tally(1, 100.5)}) == []
+    problems = terms.compare(
         want, {("all-reduce", ("data",)): Tally(2, 102.0), ("all-gather", ("data",)): Tally(1, 8)}
     )
     assert problems == [
@@ -250,10 +252,10 @@ def test_remat_on_one_layer_is_an_upper_bound():
     assert not cost.expected(one, Plan({"model": 8}, remat=True), 16).exact
     want = {("all-reduce", ("model",)): Tally(5, 500.0)}
     merged = {("all-reduce", ("model",)): Tally(4, 400.0)}
-    assert cost.compare(want, merged, exact=False) == []
-    assert cost.compare(want, merged) != []
+    assert terms.compare(want, merged, exact=False) == []
+    assert terms.compare(want, merged) != []
     more = {("all-reduce", ("model",)): Tally(6, 600.0), ("all-gather", ("data",)): Tally(1, 8)}
-    assert len(cost.compare(want, more, exact=False)) == 4
+    assert len(terms.compare(want, more, exact=False)) == 4
 
 
 def test_one_layer_ring_of_two_merges_the_backward_hop():

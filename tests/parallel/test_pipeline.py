@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardkit import ledger, testing
 from shardkit.parallel import pipeline as pl
-from shardkit.parallel import schedules as sc
+from shardkit.parallel.pipeline import schedules as sc
 from shardkit.parallel.tensor import mlp_tp
 
 B, T, D_IN, D, F, D_OUT = 2, 2, 5, 8, 16, 3  # rows, tokens, input, width, hidden, output

@@ -22,7 +22,7 @@ import shardkit
 from shardkit import PlanError, ShardedModel, testing
 from shardkit.comm import contract
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location(
     "shard_own_model", ROOT / "examples" / "shard_own_model.py"
 )

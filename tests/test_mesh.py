@@ -1,0 +1,75 @@
+"""shardkit.mesh: meshes, mesh specs and the Plan's own rules, each broken rule one sentence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import pytest
+
+from shardkit.mesh import Plan, PlanError, format_mesh, make_mesh, parse_mesh
+
+
+def assert_one_sentence(err: Exception) -> None:
+    message = str(err)
+    assert "\n" not in message and message.endswith(".") and ". " not in message, message
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (
+            lambda: make_mesh({"data": 4, "model": 4}),
+            "data=4,seq=1,model=4 needs 16 devices but only 8 are available",
+        ),
+        (lambda: make_mesh({"data": 3, "seq": 3}), "needs 9 devices but only 8"),
+        (
+            lambda: make_mesh({"pipe": 2}),
+            "Unknown mesh axis 'pipe'; axes are data, stage, seq, model",
+        ),
+        (
+            lambda: parse_mesh("data=2,pipe=2"),
+            "Unknown mesh axis 'pipe'; axes are data, stage, seq, model",
+        ),
+        (lambda: Plan({"pipe": 2}), "Unknown mesh axis 'pipe'"),
+        (
+            lambda: parse_mesh("data2"),
+            "Mesh entry 'data2' is not of the form axis=positive_integer",
+        ),
+        (lambda: parse_mesh("data=0"), "Mesh entry 'data=0' is not of the form"),
+        (lambda: Plan({"data": 0}), "Mesh axis data must have a positive integer size, got 0"),
+        (lambda: Plan(sp="zigzag"), "Unknown sp mode 'zigzag'; choose one of none, megatron"),
+        (lambda: Plan(pp="dualpipe"), "Unknown pipeline schedule 'dualpipe'; choose one of none"),
+        (lambda: Plan(microbatches=0), "--microbatches must be a positive integer, got 0"),
+        (lambda: Plan(virtual=-1), "--virtual must be a positive integer, got -1"),
+    ],
+)
+def test_mesh_and_plan_errors(make: Any, match: str) -> None:
+    with pytest.raises(PlanError, match=match) as err:
+        make()
+    assert_one_sentence(err.value)
+
+
+def test_parse_mesh_fills_omitted_axes() -> None:
+    assert parse_mesh("model=4, data=2") == {"data": 2, "stage": 1, "seq": 1, "model": 4}
+    assert parse_mesh("") == {"data": 1, "stage": 1, "seq": 1, "model": 1}
+    assert Plan({"model": 2}).mesh == {"data": 1, "stage": 1, "seq": 1, "model": 2}
+    assert format_mesh(parse_mesh("model=4")) == "data=1,seq=1,model=4"  # stage only when > 1
+    assert format_mesh(parse_mesh("stage=2,model=4")) == "data=1,stage=2,seq=1,model=4"
+    assert dict(make_mesh({"seq": 2}).shape) == {"data": 1, "stage": 1, "seq": 2, "model": 1}
+
+
+def test_zero_and_fsdp_are_one_setting() -> None:
+    assert Plan(fsdp=True).zero == 3
+    assert Plan(zero=3).fsdp is True
+    with pytest.raises(PlanError, match="--fsdp is ZeRO-3 but --zero 1 was asked for"):
+        Plan(fsdp=True, zero=1)
+    with pytest.raises(PlanError, match="--zero must be one of 0, 1, 2, 3, got 4"):
+        Plan(zero=4)
+
+
+def test_plan_sizes_and_devices() -> None:
+    plan = Plan({"data": 2, "model": 3})
+    assert plan.num_devices == 6
+    assert (plan.size("data"), plan.size("stage"), plan.size("seq")) == (2, 1, 1)
+    assert len(jax.devices()) >= plan.num_devices
