@@ -243,7 +243,7 @@ def grad_norm_terms(g: Geometry) -> list[Term]:
     return term(g, "all-reduce", axes, 1, each, "global gradient norm (clipping)", STEP_END)
 
 
-def pipelinefsdp_terms(g: Geometry) -> list[Term]:
+def pipeline_fsdp_terms(g: Geometry) -> list[Term]:
     """FSDP under a pipeline: every FSDP-split leaf a device holds gathered once per step."""
     if g.plan.zero != 3:
         return []

@@ -229,7 +229,8 @@ def token_split(cfg: vit_ref.ViTConfig, plan: Plan) -> TokenSplit:
     """How ``plan`` splits the tokens of ``cfg`` and which attention core runs (unchecked:
     ``check_plan`` first)."""
     n_seq, u = plan.size("seq"), ulysses_factor(cfg, plan)
-    sizes, mesh_axes = dict(plan.mesh), AXES
+    sizes = dict(plan.mesh)
+    mesh_axes: tuple[str, ...] = AXES
     token_axes: tuple[str, ...] = ()
     attention, ring, uly = "local", None, None
     if n_seq > 1:

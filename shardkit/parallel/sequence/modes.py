@@ -126,7 +126,7 @@ def sharded_attention(
     _check_num_valid(num_valid)
     n, s = mesh.shape["seq"], k.shape[1]
     mesh, seq, attn = _mode_plan(mesh, mode, q.shape[2], ulysses, key_chunk)
-    given = {"q": q, "k": k, "v": v, "key_valid": key_valid, "segment_ids": segment_ids}
+    given = dict(q=q, k=k, v=v, key_valid=key_valid, segment_ids=segment_ids)
     args, in_specs = _padded_inputs(given, n, seq, layout)
     num_valid = s if num_valid is None else min(num_valid, s)
 
@@ -138,12 +138,13 @@ def sharded_attention(
 
     out_specs = (P("data", seq, "model", None), P("data", "model", seq))
     sharded = jax.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs)
-    return _in_sequence_order(*sharded(args), n, layout, q.shape[1])
+    return _in_sequence_order(sharded(args), n, layout, q.shape[1])
 
 
 def _in_sequence_order(
-    out: Array, lse: Array, n: int, layout: str, tokens: int
+    results: tuple[Array, Array], n: int, layout: str, tokens: int
 ) -> tuple[Array, Array]:
-    """out, lse permuted back from ``layout`` and sliced to the true ``tokens``."""
+    """(out, lse) permuted back from ``layout`` and sliced to the true ``tokens``."""
+    out, lse = results
     out, lse = layouts.from_layout(out, n, layout), layouts.from_layout(lse, n, layout, axis=2)
     return out[:, :tokens], lse[..., :tokens]
