@@ -142,8 +142,17 @@ def prepare_out_dir(out: pathlib.Path, force: bool) -> None:
 
 
 def versions() -> dict[str, str]:
+    """Python's and each package's version; "not installed (source tree)" for a package run
+    from a checkout without metadata (``PYTHONPATH=.``), instead of failing the run."""
     names = ("shardkit", "jax", "jaxlib", "numpy", "optax")
-    return {"python": platform.python_version()} | {n: importlib.metadata.version(n) for n in names}
+    return {"python": platform.python_version()} | {n: _version(n) for n in names}
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed (source tree)"
 
 
 # ----------------------------------------------------------------------------- steps

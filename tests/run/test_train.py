@@ -250,3 +250,23 @@ def test_clipped_train_step_meets_its_contract(plan) -> None:
     }
     axes = tuple(a for a, n in model.mesh.shape.items() if n > 1)
     assert {k: n for k, n in extra.items() if n} == {("all-reduce", axes): 1}
+
+
+def test_versions_name_a_package_without_metadata_instead_of_failing(monkeypatch) -> None:
+    """Issue 25: ``shardkit train`` from a source tree (no package metadata) used to die in
+    ``versions()`` before the first step."""
+    import importlib.metadata
+
+    from shardkit.run import train as train_module
+
+    real = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name == "shardkit":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    got = train_module.versions()
+    assert got["shardkit"] == "not installed (source tree)"
+    assert got["jax"] == real("jax")
