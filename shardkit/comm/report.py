@@ -174,9 +174,16 @@ class Report:
             _memory_line(self.ledger),
             "contract: "
             + ("✓ holds" if self.contract_ok else "✗ " + " ".join(self.mismatches))
-            + ("" if self.expectation.exact else " (an upper bound)"),
+            + _bound_note(self.expectation),
         ]
         return "\n".join(line for line in lines if line)
+
+
+def _bound_note(e: Expectation) -> str:
+    """`` (an upper bound: why)`` where the expectation is not exact, else ""."""
+    if e.exact:
+        return ""
+    return f" (an upper bound: {e.bound_why})" if e.bound_why else " (an upper bound)"
 
 
 def _pair(t: Tally) -> tuple[int, float]:

@@ -62,6 +62,11 @@ class Expectation:
         return True
 
     @property
+    def bound_why(self) -> str:
+        """Why the terms are only an upper bound where ``exact`` is False ("": unsaid)."""
+        return ""
+
+    @property
     def title(self) -> str:
         """One line naming the program (a report's heading)."""
         return ""

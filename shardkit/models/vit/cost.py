@@ -99,6 +99,10 @@ class ViTExpectation(Expectation):
         return not (self.plan.remat and self.cfg.depth == 1)
 
     @property
+    def bound_why(self) -> str:
+        return "remat on one layer"
+
+    @property
     def axis_sizes(self) -> dict[str, int]:
         return dict(self.sizes)
 
