@@ -14,7 +14,6 @@ import pytest
 import vit_ref
 from shardkit import cli
 from shardkit.mesh import Plan
-from shardkit.models.vit import report
 from shardkit.run import bench
 from shardkit.run.verify import Case, make_batch
 
@@ -80,7 +79,7 @@ def test_a_failing_auto_is_reported_in_its_row(monkeypatch) -> None:
     def broken(*_args, **_kwargs):
         raise RuntimeError("INTERNAL: the partitioner gave up\nsecond line")
 
-    monkeypatch.setattr(report, "auto_train_step", broken)
+    monkeypatch.setattr(bench, "auto_train_step", broken)
     result = bench.run(CFG, [Case("DP", Plan({"data": 2}))], 16, steps=1, warmup=0)
     (row,) = result["rows"]
     assert row["auto_error"] == "INTERNAL: the partitioner gave up"
