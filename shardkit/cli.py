@@ -208,13 +208,21 @@ def plan_from_args(args: argparse.Namespace) -> Any:
     return plan
 
 
-def _check(cfg: Any, plan: Any, batch: int, note: bool = True) -> None:
-    """PlanError unless ``plan`` runs ``cfg``; then one stderr line naming the leaves ZeRO keeps
-    whole, if any (not an error: the right call)."""
+def _check(cfg: Any, plan: Any, batch: int) -> None:
+    """PlanError unless ``plan`` runs ``cfg``; then the ZeRO note (``_note``)."""
     from shardkit.run import config
 
-    message = config.check(cfg, plan, batch)
-    if message and note:
+    config.check(cfg, plan, batch)
+    _note(cfg, plan)
+
+
+def _note(cfg: Any, plan: Any) -> None:
+    """One stderr line naming the leaves ZeRO keeps whole, if any (not an error: the right
+    call)."""
+    from shardkit.run import config
+
+    message = config.zero_note(cfg, plan)
+    if message:
         print(f"shardkit: note: {message}", file=sys.stderr)
 
 
@@ -272,9 +280,11 @@ def run_verify(args: argparse.Namespace) -> int:
         cases = [verify.Case("custom", plan_from_args(args))]
     else:
         cases = verify.default_matrix(args.devices)
-    for case in cases:  # every plan is checked before anything compiles
-        _check(cfg, case.plan, args.batch, note=_plan_given(args))
-    return 0 if verify.run_cases(cfg, cases, args.batch, as_json=args.json, echo=print) else 1
+    models = verify.prepare(cfg, cases, args.batch)  # every plan checked before anything runs
+    if _plan_given(args):
+        _note(cfg, cases[0].plan)
+    ok = verify.run_cases(cfg, cases, args.batch, as_json=args.json, echo=print, models=models)
+    return 0 if ok else 1
 
 
 def run_inspect(args: argparse.Namespace) -> int:
@@ -283,10 +293,12 @@ def run_inspect(args: argparse.Namespace) -> int:
     _setup_devices(args.devices)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib: pip install 'shardkit[plot]'.")
+    from shardkit.run import config
+
     cfg = model_config(args)
-    plan = plan_from_args(args)
-    _check(cfg, plan, args.batch)
-    print(inspect.run(cfg, plan, args.batch, as_json=args.json, hlo_path=args.hlo,
+    model = config.build(cfg, plan_from_args(args), args.batch)
+    _note(cfg, model.plan)
+    print(inspect.run(model, args.batch, as_json=args.json, hlo_path=args.hlo,
                       plot_path=args.plot))  # fmt: skip
     return 0
 

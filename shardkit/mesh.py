@@ -238,6 +238,50 @@ class Plan:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise PlanError(f"--{name} must be a positive integer, got {value!r}.")
+        self._check_strategies()
+
+    def _check_strategies(self) -> None:
+        """PlanError (one sentence) where the strategies contradict the mesh or each other:
+        every rule that needs no model. A model's own rules (its dims against the axes) are
+        its ``check_plan``'s."""
+        for failed, message in self._strategy_rules():
+            if failed:
+                raise PlanError(message + ".")
+
+    def _strategy_rules(self) -> list[tuple[bool, str]]:
+        data, stages, seq, model = (self.mesh[a] for a in AXES)
+        pp, sp, ulysses, virtual = self.pp, self.sp, self.ulysses, self.virtual
+        none = pp == "none"
+        return [
+            (self.zero > 0 and data == 1,
+             f"--zero {self.zero} splits over data, but the mesh has data=1"),
+            (self.zero == 2 and not none,
+             f"--zero 2 cannot run under --pp {pp}: the schedule sums each layer's gradients "
+             "over the microbatches before they are whole, so they cannot be reduce-scattered "
+             "as backward makes them; use --zero 1 (the same memory here) or 3"),
+            (sp == "none" and seq > 1,
+             f"sp='none' does not split tokens over seq, but the mesh has seq={seq}; "
+             "use --sp megatron, ring, ulysses or usp"),
+            (sp == "megatron" and model == 1,
+             "sp='megatron' splits tokens over the model axis, but the mesh has model=1"),
+            (sp in ("ring", "ulysses", "usp") and seq == 1,
+             f"sp={sp!r} splits tokens over the seq axis, but the mesh has seq=1"),
+            (ulysses is not None and sp not in ("usp", "megatron"),
+             f"--ulysses {ulysses} only applies to sp='usp' or 'megatron', not sp={sp!r}"),
+            (ulysses is not None and sp == "megatron" and seq == 1,
+             f"--ulysses {ulysses} with sp='megatron' splits the seq axis, but the mesh has "
+             "seq=1"),
+            (none and stages > 1,
+             f"The mesh has stage={stages} but no pipeline schedule; give --pp gpipe, 1f1b, "
+             "interleaved or zb"),
+            (none and self.microbatches > 1,
+             f"--microbatches {self.microbatches} only applies with a pipeline (--pp)"),
+            (none and virtual > 1, f"--virtual {virtual} only applies with --pp interleaved"),
+            (not none and stages == 1,
+             f"--pp {pp} needs a stage axis of size > 1 in --mesh (it has stage=1)"),
+            (not none and virtual > 1 and pp != "interleaved",
+             f"--virtual {virtual} only applies to --pp interleaved, not --pp {pp}"),
+        ]  # fmt: skip
 
     @property
     def num_devices(self) -> int:

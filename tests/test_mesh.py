@@ -42,6 +42,46 @@ def assert_one_sentence(err: Exception) -> None:
         (lambda: Plan(pp="dualpipe"), "Unknown pipeline schedule 'dualpipe'; choose one of none"),
         (lambda: Plan(microbatches=0), "--microbatches must be a positive integer, got 0"),
         (lambda: Plan(virtual=-1), "--virtual must be a positive integer, got -1"),
+        # The rules that need no model: the Plan checks them when it is built.
+        (
+            lambda: Plan({"seq": 2}),
+            "sp='none' does not split tokens over seq, but the mesh has seq=2",
+        ),
+        (lambda: Plan({"stage": 2}), "The mesh has stage=2 but no pipeline schedule; give --pp"),
+        (
+            lambda: Plan({"data": 2}, microbatches=2),
+            "--microbatches 2 only applies with a pipeline",
+        ),
+        (lambda: Plan({"data": 2}, virtual=2), "--virtual 2 only applies with --pp interleaved"),
+        (
+            lambda: Plan({"data": 2}, pp="1f1b"),
+            r"--pp 1f1b needs a stage axis of size > 1 in --mesh",
+        ),
+        (
+            lambda: Plan({"stage": 2}, pp="gpipe", virtual=2),
+            "--virtual 2 only applies to --pp interleaved, not --pp gpipe",
+        ),
+        (
+            lambda: Plan({"data": 2}, sp="megatron"),
+            "'megatron' splits tokens over the model axis, but the mesh has model=1",
+        ),
+        (
+            lambda: Plan({"data": 2}, sp="ring"),
+            "sp='ring' splits tokens over the seq axis, but the mesh has seq=1",
+        ),
+        (
+            lambda: Plan({"seq": 2}, sp="ring", ulysses=2),
+            "--ulysses 2 only applies to sp='usp' or 'megatron', not sp='ring'",
+        ),
+        (
+            lambda: Plan({"model": 2}, sp="megatron", ulysses=2),
+            "--ulysses 2 with sp='megatron' splits the seq axis, but the mesh has seq=1",
+        ),
+        (lambda: Plan({"model": 2}, zero=1), "--zero 1 splits over data, but the mesh has data=1"),
+        (
+            lambda: Plan({"data": 2, "stage": 2}, zero=2, pp="1f1b", microbatches=2),
+            "--zero 2 cannot run under --pp 1f1b",
+        ),
     ],
 )
 def test_mesh_and_plan_errors(make: Any, match: str) -> None:
@@ -60,10 +100,10 @@ def test_parse_mesh_fills_omitted_axes() -> None:
 
 
 def test_zero_and_fsdp_are_one_setting() -> None:
-    assert Plan(fsdp=True).zero == 3
-    assert Plan(zero=3).fsdp is True
+    assert Plan({"data": 2}, fsdp=True).zero == 3
+    assert Plan({"data": 2}, zero=3).fsdp is True
     with pytest.raises(PlanError, match="--fsdp is ZeRO-3 but --zero 1 was asked for"):
-        Plan(fsdp=True, zero=1)
+        Plan({"data": 2}, fsdp=True, zero=1)
     with pytest.raises(PlanError, match="--zero must be one of 0, 1, 2, 3, got 4"):
         Plan(zero=4)
 

@@ -12,24 +12,21 @@ import pathlib
 
 import jax
 
-import vit_ref
-from shardkit.mesh import Plan
-from shardkit.models.vit import report
+from shardkit.models.vit import ShardedViT, report
 
 
 def run(
-    cfg: vit_ref.ViTConfig,
-    plan: Plan,
+    model: ShardedViT,
     batch: int,
     *,
     as_json: bool = False,
     hlo_path: str | pathlib.Path | None = None,
     plot_path: str | pathlib.Path | None = None,
 ) -> str:
-    """The report of ``plan``'s step as the command prints it (a table, or one JSON object);
+    """The report of ``model``'s step as the command prints it (a table, or one JSON object);
     writes the compiled HLO to ``hlo_path`` and the picture to ``plot_path`` when given."""
     lead = jax.process_index() == 0  # across processes, files come from process 0 only
-    result = report.inspect(cfg, plan, batch, hlo_path=hlo_path if lead else None)
+    result = report.model_inspect(model, batch, hlo_path=hlo_path if lead else None)
     if plot_path and lead:
         from shardkit.comm.plot import plot_report
 

@@ -42,6 +42,7 @@ __all__ = [
     "default_matrix",
     "format_header",
     "format_row",
+    "prepare",
     "run_case",
     "run_cases",
 ]
@@ -147,11 +148,27 @@ def _reference(cfg: vit_ref.ViTConfig, batch: int, seed: int) -> dict[str, Any]:
     )
 
 
-def run_case(cfg: vit_ref.ViTConfig, case: Case, batch: int, seed: int = 0) -> CaseResult:
-    """Runs one case; raises PlanError before any compilation if the plan cannot work."""
-    check_plan(cfg, case.plan, batch)
+def prepare(cfg: vit_ref.ViTConfig, cases: list[Case], batch: int) -> list[ShardedViT]:
+    """The sharded model of every case, each plan checked once (as it is built) and the batch
+    against it: a PlanError names the first bad case before anything compiles."""
+    models = []
+    for case in cases:
+        models.append(ShardedViT(cfg, case.plan))
+        models[-1].check_batch(batch)
+    return models
+
+
+def run_case(
+    cfg: vit_ref.ViTConfig,
+    case: Case,
+    batch: int,
+    seed: int = 0,
+    model: ShardedViT | None = None,
+) -> CaseResult:
+    """Runs one case (on ``model``, built by ``prepare``, or a new one); raises PlanError
+    before any compilation if the plan cannot work."""
+    model = model or prepare(cfg, [case], batch)[0]
     ref = _reference(cfg, batch, seed)
-    model = ShardedViT(cfg, case.plan)
     params = model.shard(ref["params"])
     images, labels = model.shard_batch(ref["images"], ref["labels"])
     errors = {
@@ -218,14 +235,17 @@ def run_cases(
     *,
     as_json: bool = False,
     echo: Callable[..., Any] = print,
+    models: list[ShardedViT] | None = None,
 ) -> bool:
     """Runs every case in turn (``shardkit verify``): a table row per case as it finishes and
-    a closing count, or one JSON object at the end; True when every case holds."""
+    a closing count, or one JSON object at the end; True when every case holds. ``models``:
+    from ``prepare`` (built and checked here otherwise, before anything runs)."""
+    models = models or prepare(cfg, cases, batch)
     if not as_json:
         echo(format_header(), flush=True)
     results = []
-    for case in cases:
-        results.append(run_case(cfg, case, batch))
+    for case, model in zip(cases, models, strict=True):
+        results.append(run_case(cfg, case, batch, model=model))
         beat()
         if not as_json:
             echo(format_row(results[-1]), flush=True)

@@ -75,7 +75,7 @@ from shardkit.comm.terms import Expectation, Term
 from shardkit.mesh import Plan, format_mesh
 from shardkit.models.vit import cost_params as pc
 from shardkit.models.vit.geometry import STEP_END, WORD, Geometry, geometry, term
-from shardkit.models.vit.plan import schedule
+from shardkit.models.vit.plan import TokenSplit, schedule
 from shardkit.parallel import pipeline
 
 
@@ -140,6 +140,7 @@ def expected(
     platform: str = "cpu",
     clip: bool = False,
     stage: int | None = None,
+    split: TokenSplit | None = None,
 ) -> ViTExpectation:
     """The collectives one ``ShardedViT.train_step`` must run for (cfg, plan, global batch).
 
@@ -154,11 +155,13 @@ def expected(
         CPU pipeline's and may differ where another backend combines collectives differently).
       stage: under a pipeline, the stage whose device the terms describe (default: the last,
         which also pools); stages differ only there.
+      split: the token split of a model built on (cfg, plan) (``ShardedViT.split``): its plan
+        was checked when it was built, so only the batch is checked here.
 
     Returns:
       An :class:`Expectation` whose ``summary()`` is what ``Ledger.summary()`` must equal.
     """
-    g = geometry(cfg, plan, batch, platform)
+    g = geometry(cfg, plan, batch, platform, split)
     if plan.pp == "none":
         body = [*_layer_terms(g), *_pool_terms(g), *pc.fsdp_terms(g), *pc.zero_terms(g)]
     else:

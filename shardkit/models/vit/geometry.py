@@ -16,7 +16,7 @@ import vit_ref
 from shardkit.comm.ledger import GROUPS, shift
 from shardkit.comm.terms import Term
 from shardkit.mesh import Plan
-from shardkit.models.vit.plan import check_plan, token_split
+from shardkit.models.vit.plan import TokenSplit, check_batch, check_plan, token_split
 
 Axes = tuple[str, ...]
 WORD = 4  # float32: params, gradients, residual stream, LayerNorm outputs
@@ -87,10 +87,23 @@ class Geometry:
         return tuple(a for a in self.mesh_axes if a in wanted and self.sizes[a] > 1)
 
 
-def geometry(cfg: vit_ref.ViTConfig, plan: Plan, batch: int, platform: str = "cpu") -> Geometry:
-    """The per-device sizes of (cfg, plan, batch); PlanError if the plan cannot run ``cfg``."""
-    check_plan(cfg, plan, batch)
-    split = token_split(cfg, plan)
+def geometry(
+    cfg: vit_ref.ViTConfig,
+    plan: Plan,
+    batch: int,
+    platform: str = "cpu",
+    split: TokenSplit | None = None,
+) -> Geometry:
+    """The per-device sizes of (cfg, plan, batch); PlanError if the plan cannot run ``cfg``.
+
+    ``split``: the token split of a model already built on (cfg, plan) (``ShardedViT.split``,
+    made once its plan was checked): then only the batch is checked here.
+    """
+    if split is None:
+        check_plan(cfg, plan, batch)
+        split = token_split(cfg, plan)
+    else:
+        check_batch(plan, batch)
     act = WORD if platform == "cpu" or cfg.dtype == "float32" else 2
     return Geometry(
         cfg, plan, batch, split.mesh_axes, split.sizes, split.token_axes, split.attention,

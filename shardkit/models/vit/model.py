@@ -65,6 +65,8 @@ from shardkit.models.vit.plan import (
     EMBED_LEAVES,
     HEAD_LEAVES,
     TOKEN_FREE,
+    TokenSplit,
+    check_batch,
     check_plan,
     layer_order,
     param_axes,
@@ -99,6 +101,7 @@ class Layout:
         adds ``model`` last: each TP region all-gathers it, so attention sees the seq split.
       attention: "local", "ring", "ulysses" or "usp": the core run on local heads.
       num_tokens: true token count t; padded_tokens: t rounded up to the shard count.
+      split: the plan's token-split decision these are read from (``plan.token_split``).
     """
 
     mesh: Mesh
@@ -106,6 +109,7 @@ class Layout:
     attention: str
     num_tokens: int
     padded_tokens: int
+    split: TokenSplit
 
     @property
     def token_shards(self) -> int:
@@ -133,7 +137,7 @@ def make_layout(cfg: vit_ref.ViTConfig, plan: Plan, devices: Any = None) -> Layo
     if split.attention == "usp":
         mesh = sp.usp_mesh(mesh, split.ulysses)
     padded = split.padded_tokens(cfg.num_tokens)
-    return Layout(mesh, split.token_axes, split.attention, cfg.num_tokens, padded)
+    return Layout(mesh, split.token_axes, split.attention, cfg.num_tokens, padded, split)
 
 
 # ----------------------------------------------------------------------------- per device
@@ -350,6 +354,7 @@ class ShardedViT(sharded.ShardedModel):
     def __init__(self, cfg: vit_ref.ViTConfig, plan: Plan, devices: Any = None) -> None:
         self.cfg, self.plan = cfg, plan
         self.layout = make_layout(cfg, plan, devices)
+        self.split = self.layout.split
         # Size-1 axes split nothing and appear in no spec (so no value is typed varying on them).
         self.batch_spec = P("data") if plan.size("data") > 1 else P()
         super().__init__(
@@ -383,7 +388,9 @@ class ShardedViT(sharded.ShardedModel):
         return self.plan.pp != "none"
 
     def check_batch(self, batch: int) -> None:
-        check_plan(self.cfg, self.plan, batch)
+        """PlanError unless the global ``batch`` fits the plan (the rest was checked once, when
+        the model was built)."""
+        check_batch(self.plan, batch)
 
     def shard(self, params: Params) -> Params:
         """Places a copy of vit_ref's ``params`` on the mesh (blocks in ``layer_order``)."""

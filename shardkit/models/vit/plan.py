@@ -57,53 +57,29 @@ def _table(plan: Plan, embed_over_data: bool) -> dict[str, str]:
 
 
 def check_plan(cfg: vit_ref.ViTConfig, plan: Plan, batch: int | None = None) -> None:
-    """Raises PlanError (one sentence: dimension, axis, sizes) if ``plan`` cannot run ``cfg``."""
+    """Raises PlanError (one sentence: dimension, axis, sizes) if ``plan`` cannot run ``cfg``
+    (with ``batch`` examples, if given). The rules that need no model are ``Plan``'s own,
+    checked when it was built; these are the model's dims against the plan's axes."""
+    _model_checks(cfg, plan)
+    if batch is not None:
+        check_batch(plan, batch)
+
+
+def _model_checks(cfg: vit_ref.ViTConfig, plan: Plan) -> None:
+    """The model-vs-plan rules: each a dim of ``cfg`` that an axis of ``plan`` must divide."""
     data, seq, model = (plan.size(a) for a in ("data", "seq", "model"))
     checks = [
-        (batch is not None and batch % data, f"batch={batch} is not divisible by data={data}"),
         (cfg.heads % model, f"heads={cfg.heads} is not divisible by model={model}"),
         (cfg.mlp_dim % model, f"mlp_dim={cfg.mlp_dim} is not divisible by model={model}"),
-        (
-            plan.zero and data == 1,
-            f"--zero {plan.zero} splits over data, but the mesh has data=1",
-        ),
         (
             plan.zero and cfg.dim % data,
             f"dim={cfg.dim} is not divisible by data={data} (ZeRO-{plan.zero} splits the embed "
             "axis over data)",
         ),
         (
-            plan.zero == 2 and plan.pp != "none",
-            f"--zero 2 cannot run under --pp {plan.pp}: the schedule sums each layer's "
-            "gradients over the microbatches before they are whole, so they cannot be "
-            "reduce-scattered as backward makes them; use --zero 1 (the same memory here) or 3",
-        ),
-        (
-            plan.sp == "none" and seq > 1,
-            f"sp='none' does not split tokens over seq, but the mesh has seq={seq}; "
-            "use --sp megatron, ring, ulysses or usp",
-        ),
-        (
-            plan.sp == "megatron" and model == 1,
-            "sp='megatron' splits tokens over the model axis, but the mesh has model=1",
-        ),
-        (
-            plan.sp in ("ring", "ulysses", "usp") and seq == 1,
-            f"sp={plan.sp!r} splits tokens over the seq axis, but the mesh has seq=1",
-        ),
-        (
             plan.sp == "ulysses" and (cfg.heads // model) % seq,
             f"sp='ulysses' needs the heads per model shard ({cfg.heads}//{model}="
             f"{cfg.heads // model}) divisible by seq={seq}",
-        ),
-        (
-            plan.ulysses is not None and plan.sp not in ("usp", "megatron"),
-            f"--ulysses {plan.ulysses} only applies to sp='usp' or 'megatron', not sp={plan.sp!r}",
-        ),
-        (
-            plan.ulysses is not None and plan.sp == "megatron" and seq == 1,
-            f"--ulysses {plan.ulysses} with sp='megatron' splits the seq axis, but the mesh has "
-            "seq=1",
         ),
     ]
     for failed, message in checks:
@@ -111,54 +87,41 @@ def check_plan(cfg: vit_ref.ViTConfig, plan: Plan, batch: int | None = None) -> 
             raise PlanError(message + ".")
     if plan.sp in ("usp", "megatron") and seq > 1:
         ulysses_factor(cfg, plan)
-    check_pipeline(cfg, plan, batch)
+    check_pipeline(cfg, plan)
 
 
-def check_pipeline(cfg: vit_ref.ViTConfig, plan: Plan, batch: int | None = None) -> None:
-    """PlanError (one sentence) unless the stage axis, the schedule, the depth, the virtual
-    stages and the microbatches fit each other."""
-    stages, micro, virtual = plan.size("stage"), plan.microbatches, plan.virtual
-    local = None if batch is None else batch // plan.size("data")
-    none = plan.pp == "none"
-    checks = [
-        (
-            none and stages > 1,
-            f"The mesh has stage={stages} but no pipeline schedule; give --pp gpipe, 1f1b, "
-            "interleaved or zb",
-        ),
-        (none and micro > 1, f"--microbatches {micro} only applies with a pipeline (--pp)"),
-        (none and virtual > 1, f"--virtual {virtual} only applies with --pp interleaved"),
-        (
-            not none and stages == 1,
-            f"--pp {plan.pp} needs a stage axis of size > 1 in --mesh (it has stage=1)",
-        ),
-        (
-            not none and virtual > 1 and plan.pp != "interleaved",
-            f"--virtual {virtual} only applies to --pp interleaved, not --pp {plan.pp}",
-        ),
-        (
-            not none and cfg.depth % (stages * virtual),
+def check_batch(plan: Plan, batch: int) -> None:
+    """PlanError (one sentence) unless the global ``batch`` splits over data and, under a
+    pipeline, the data-local batch into the microbatches."""
+    data, micro = plan.size("data"), plan.microbatches
+    if batch % data:
+        raise PlanError(f"batch={batch} is not divisible by data={data}.")
+    local = batch // data
+    if plan.pp != "none" and local % micro:
+        raise PlanError(
+            f"The data-local batch ({batch}//{data}={local}) is not divisible by "
+            f"--microbatches {micro}."
+        )
+
+
+def check_pipeline(cfg: vit_ref.ViTConfig, plan: Plan) -> None:
+    """PlanError (one sentence) unless the depth, the schedule and the sequence mode fit the
+    pipeline (the stage axis, the schedule name and ``--virtual`` are ``Plan``'s rules)."""
+    if plan.pp == "none":
+        return
+    stages, virtual, seq = plan.size("stage"), plan.virtual, plan.size("seq")
+    if cfg.depth % (stages * virtual):
+        raise PlanError(
             f"depth={cfg.depth} is not divisible by stage×virtual = {stages}×{virtual} "
-            "(every chunk holds the same number of layers)",
-        ),
-        (
-            not none and local is not None and local % micro,
-            f"The data-local batch ({batch}//{plan.size('data')}={local}) is not divisible by "
-            f"--microbatches {micro}",
-        ),
-    ]
-    for failed, message in checks:
-        if failed:
-            raise PlanError(message + ".")
-    seq = plan.size("seq")
-    if not none and seq > 1 and ulysses_factor(cfg, plan) < seq:
+            "(every chunk holds the same number of layers)."
+        )
+    if seq > 1 and ulysses_factor(cfg, plan) < seq:
         raise PlanError(
             f"--pp {plan.pp} cannot run a ring over seq (--sp {plan.sp}): the ring's ppermute "
             "would run inside a schedule branch that only some stages take, which XLA cannot "
             f"do; use --sp ulysses (or --ulysses {seq})."
         )
-    if not none:
-        schedules.build(plan.pp, stages, micro, virtual)  # M vs S, --virtual vs the schedule
+    schedules.build(plan.pp, stages, plan.microbatches, virtual)  # M vs S, V vs the schedule
 
 
 def schedule(plan: Plan) -> schedules.Schedule:

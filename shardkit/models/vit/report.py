@@ -102,7 +102,8 @@ def model_report(
     """The contract report of an existing ``ShardedViT`` (e.g. the one ``verify`` just ran, or
     the clipped step ``shardkit train`` runs)."""
     ledger = measure_step(model, batch, optimizer, clip_norm)
-    return report_of(ledger, model.cfg, model.plan, batch, clip=clip_norm is not None)
+    clip = clip_norm is not None
+    return report_of(ledger, model.cfg, model.plan, batch, clip=clip, split=model.split)
 
 
 def report_of(
@@ -177,8 +178,19 @@ def inspect(
       A :class:`Report`. Raises ``PlanError`` (one sentence) before compiling if the plan
       cannot run the model; the default device set must hold ``plan.num_devices`` devices.
     """
-    cost.expected(cfg, plan, batch, platform=platform)  # checks the plan first
-    ledger = measure_step(ShardedViT(cfg, plan), batch)
+    model = ShardedViT(cfg, plan)  # checks the plan, before anything compiles
+    return model_inspect(model, batch, hlo_path=hlo_path, platform=platform)
+
+
+def model_inspect(
+    model: ShardedViT,
+    batch: int,
+    *,
+    hlo_path: str | pathlib.Path | None = None,
+    platform: str = "cpu",
+) -> Report:
+    """``inspect`` of a model already built (its plan checked once, when it was built)."""
+    ledger = measure_step(model, batch)
     if hlo_path is not None:
         pathlib.Path(hlo_path).write_text(ledger.hlo)
-    return report_of(ledger, cfg, plan, batch, platform=platform)
+    return report_of(ledger, model.cfg, model.plan, batch, platform=platform, split=model.split)

@@ -81,7 +81,8 @@ def pipeline_grads(
       inputs' other axes (``data``): sync them as for any data-parallel gradient.
     """
     _check_shapes(schedule, stage_params, inputs, targets, axis)
-    stage_params, ends, x0 = _typed_for_branches(stage_params, ends, inputs, axis)
+    act_axes = tree_varying_axes(inputs) | {axis}
+    stage_params, ends, x0 = _typed_for_branches(stage_params, ends, inputs, act_axes)
     chunk0 = jax.tree.map(lambda a: a[0], stage_params)
     y0, proto = jax.vjp(stage_fn, chunk0, x0)
     _check_stage_fn(x0, y0)
@@ -97,7 +98,8 @@ def pipeline_grads(
     leaves, vjp_def = jax.tree.flatten(proto)
     keep = _param_mask(leaves, chunk0)
     tab = tables(schedule)
-    state = _initial_state(tab, stage_params, ends, x0, leaves, keep, np.nan if poison else 0.0)
+    fill = np.nan if poison else 0.0
+    state = _initial_state(tab, stage_params, ends, x0, act_axes, (leaves, keep), fill)
     stage = jax.lax.axis_index(axis)
     ctx = _Context(schedule, stage_fn, stage_params, ends, inputs, targets, axis, stage,
                    vjp_def, keep)  # fmt: skip
@@ -121,12 +123,11 @@ def _run_segments(ctx: _Context, tab: Tables, state: dict[str, Any]) -> dict[str
 
 
 def _typed_for_branches(
-    stage_params: Any, ends: Ends, inputs: Any, axis: str
+    stage_params: Any, ends: Ends, inputs: Any, act_axes: frozenset[str]
 ) -> tuple[Any, Ends, jax.Array]:
-    """(stage_params, ends, x0 = the first microbatch embedded), all typed varying over the
-    inputs' axes and the stage: everything a branch computes varies there, so the params'
-    gradients come out as partial sums (no collective inside a branch)."""
-    act_axes = tree_varying_axes(inputs) | {axis}
+    """(stage_params, ends, x0 = the first microbatch embedded), all typed varying over
+    ``act_axes`` (the inputs' axes and the stage): everything a branch computes varies there,
+    so the params' gradients come out as partial sums (no collective inside a branch)."""
     ends = dataclasses.replace(
         ends,
         embed_params=vary_tree(ends.embed_params, act_axes),
@@ -147,12 +148,17 @@ def _check_stage_fn(x0: jax.Array, y0: jax.Array) -> None:
 
 
 def _initial_state(
-    tab: Tables, stage_params: Any, ends: Ends, x0: jax.Array, leaves: list[Any],
-    keep: tuple[int, ...], fill: float,
+    tab: Tables, stage_params: Any, ends: Ends, x0: jax.Array, act_axes: frozenset[str],
+    residuals: tuple[list[Any], tuple[int, ...]], fill: float,
 ) -> dict[str, Any]:  # fmt: skip
-    """The scan carry: stash and inboxes filled with ``fill``, gradients and loss at zero."""
-    act_axes = varying_axes(x0)
-    act = vary(jnp.full_like(x0, fill), act_axes)
+    """The scan carry: stash and inboxes filled with ``fill``, gradients and loss at zero.
+
+    The loss and the stash vary over ``act_axes`` (the inputs' axes and the stage), not over
+    x0's: an activation may vary over more (Megatron-SP's tokens over ``model``) while the
+    loss, summed over the tokens, does not.
+    """
+    leaves, keep = residuals
+    act = vary(jnp.full_like(x0, fill), varying_axes(x0))
     # Residuals vary over the stage at least (a branch reads its chunk by a stage-varying
     # index, so even one traced invariant, a mask, comes out varying there).
     stashed = [a for a, k in zip(leaves, keep, strict=True) if k < 0]
