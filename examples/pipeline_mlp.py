@@ -1,9 +1,11 @@
 """Pipeline a model of your own: a deep residual MLP over a stage axis, any schedule.
 
-Eight residual MLP layers cut into S·V chunks (``parallel.pipeline``'s engine; the schedule a
-table from ``parallel.schedules``), microbatches split over ``data``; verified against the
-plain model (``testing.compare_sharded``: loss, every gradient, one step), the schedule
-printed, then trained to fit a random smooth target:
+Eight residual MLP layers cut into S·V chunks by ``ShardedModel``'s pipeline option
+(``models.staged.Stages``: the embedding, one chunk's layers and the loss as three functions;
+the schedule a table from ``parallel.pipeline.schedules``), microbatches split over ``data``;
+verified against the plain model (``testing.compare_sharded``: loss, every gradient, one step),
+the schedule printed, then trained with the model's own donated train step to fit a random
+smooth target:
 
     python examples/pipeline_mlp.py [--schedule 1f1b] [--stages 4] [--micro 8] [--virtual 1]
 """
@@ -18,10 +20,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from shardkit import pipeline, schedules, testing  # noqa: E402
+from shardkit import ShardedModel, make_mesh, schedules, testing  # noqa: E402
+from shardkit.models.staged import Stages  # noqa: E402
 
 LAYERS, WIDTH, HIDDEN, D_IN, BATCH = 8, 16, 32, 4, 32
 
@@ -53,39 +55,28 @@ def twin_loss(p, x, y):
     return loss_of(p, h, y) / x.shape[0]
 
 
-def pipelined(mesh, schedule):
-    """(params, x, y) -> (loss, grads) with the layers over ``stage``, rows over ``data``."""
-    s, v, m = schedule.stages, schedule.virtual, schedule.micro
-    per_chunk = LAYERS // (s * v)
+AXES = {  # logical names per dim: the stacked layer dim is "layers", split over stage
+    "embed": (None, None),
+    "layers": {"w1": ("layers", None, None), "w2": ("layers", None, None)},
+    "head": (None, None),
+}
 
-    def chunk_fn(w, x):  # one chunk: its layers under a scan
-        return jax.lax.scan(lambda h, wl: (layer(wl, h), None), x, w)[0]
 
-    def body(chunks, ends_params, x, y):
-        split = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])  # noqa: E731
-        ends = pipeline.Ends(embed, ends_params, loss_of, ends_params)
-        loss, grads, d_embed, d_head = pipeline.pipeline_grads(
-            schedule, chunk_fn, chunks, ends, split(x), split(y)
-        )
-        total = BATCH
-        d_ends = jax.tree.map(jnp.add, d_embed, d_head)
-        return jax.lax.psum((loss / total, jax.tree.map(lambda g: g / total, (grads, d_ends))),
-                            "data")  # fmt: skip
+def chunk_fn(w, x):  # one chunk: its layers under a scan
+    return jax.lax.scan(lambda h, wl: (layer(wl, h), None), x, w)[0]
 
-    def run(params, x, y):
-        # Device s holds chunks s, s+S, ...: [L] -> [S·V, per_chunk] in that order.
-        order = np.array([c * s + d for d in range(s) for c in range(v)])
-        chunks = jax.tree.map(lambda a: a.reshape(s * v, per_chunk, *a.shape[1:])[order],
-                              params["layers"])  # fmt: skip
-        ends_params = {k: params[k] for k in ("embed", "head")}
-        step = jax.shard_map(body, mesh=mesh, in_specs=(P("stage"), P(), P("data"), P("data")),
-                             out_specs=(P(), (P("stage"), P())))  # fmt: skip
-        loss, (grads, d_ends) = step(chunks, ends_params, x, y)
-        back = np.argsort(order)
-        layers = jax.tree.map(lambda g: g[back].reshape(LAYERS, *g.shape[2:]), grads)
-        return loss, {"layers": layers, **d_ends}
 
-    return jax.jit(run)
+def microbatch_loss(p, y, target):  # this microbatch's share of the global mean
+    return loss_of(p, y, target) / BATCH
+
+
+def pipelined(data, schedule):
+    """The model on a data × stage mesh: the layers over ``stage``, rows over ``data``."""
+    mesh = make_mesh({"data": data, "stage": schedule.stages})
+    rows = P("data") if data > 1 else P()
+    stages = Stages(schedule, embed, chunk_fn, microbatch_loss, "layers", ("embed",), ("head",))
+    return ShardedModel(mesh, AXES, {"layers": "stage"}, pipeline=stages,
+                        batch_specs=(rows, rows))  # fmt: skip
 
 
 def main() -> None:
@@ -105,25 +96,30 @@ def main() -> None:
             f"rows per data shard into {args.micro} microbatches"
         )
     print(schedule)
-    devices = np.asarray(jax.devices()[: data * args.stages], dtype=object)
-    mesh = Mesh(devices.reshape(data, args.stages), ("data", "stage"))
-    step_fn = pipelined(mesh, schedule)
+    model = pipelined(data, schedule)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(BATCH, D_IN)), jnp.float32)
     y = jnp.sin(x.sum(axis=1, keepdims=True))
-    check = testing.compare_sharded(step_fn, twin_loss, init(0), x, y)
+
+    def sharded(params, x, y):
+        loss, grads = model.loss_and_grads(params, x, y)
+        return loss, model.to_reference(grads)  # the layers back in your order
+
+    check = testing.compare_sharded(
+        sharded, twin_loss, init(0), *model.shard_batch(x, y), place=model.shard
+    )
     check.assert_ok()
     print(f"pipelined == twin: worst {check.worst[0]} at {check.worst[1]:.1e}")
 
     optimizer = optax.adam(3e-3)
-    params = init(0)
-    state = optimizer.init(params)
+    params = model.shard(init(0))
+    opt_state = model.init_opt_state(optimizer, params)
+    step = model.train_step(optimizer)
+    batch = model.shard_batch(x, y)
     for i in range(args.steps):
-        loss, grads = step_fn(params, x, y)
-        updates, state = optimizer.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state, metrics = step(params, opt_state, *batch)
         if i == 0 or (i + 1) % 50 == 0:
-            print(f"step {i + 1:4d}  loss {float(loss):.5f}")
+            print(f"step {i + 1:4d}  loss {float(metrics['loss']):.5f}")
     print(f"(predicting the mean: loss {float(jnp.var(y)):.5f})")
 
 

@@ -22,6 +22,9 @@ The generic layer under every sharded model here (``ShardedViT`` is one user of 
                reduce-scattered as backward makes them (``data.zero_attach``; a model with a
                layer loop overrides ``zero2_loss_local`` to attach per layer, as
                ``ShardedViT`` does).
+  pipeline     a ``staged.Stages``: the model cut into embed / stage / loss functions and
+               run by a pipeline schedule over ``stage`` (``models.staged`` says how); the
+               batch is then (inputs, targets).
 
 and get, per leaf, its ``PartitionSpec``, the axes its gradient is a partial sum over
 (``sync_axes``), the dim FSDP gathers (``gather_dims``), the optimizer state sharded like the
@@ -60,6 +63,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
 from shardkit.mesh import PlanError, logical_specs
+from shardkit.models import staged
 from shardkit.parallel import data as dp
 
 PyTree = Any
@@ -234,7 +238,7 @@ class ShardedModel:
         mesh: Mesh,
         param_axes: PyTree,
         rules: Mapping[str, str],
-        loss_local: LossLocal,
+        loss_local: LossLocal | None = None,
         *,
         batch_specs: Sequence[P] | None = None,
         batch_axes: Axes = ("data",),
@@ -242,15 +246,19 @@ class ShardedModel:
         token_free: Sequence[str] = (),
         gather: bool = True,
         zero: int = 3,
+        pipeline: staged.Stages | None = None,
     ) -> None:
         missing = [a for a in (*batch_axes, *token_axes) if a not in mesh.shape]
         if missing:
             raise PlanError(
                 f"Axis {missing[0]!r} is not in the mesh (axes: {', '.join(mesh.axis_names)})."
             )
+        if loss_local is None and pipeline is None:
+            raise PlanError("Give loss_local (or a pipeline, whose stages compute the loss).")
         if zero not in (1, 2, 3):
             raise PlanError(f"zero must be 1, 2 or 3 (the ZeRO level), got {zero!r}.")
-        self.mesh, self.param_axes, self.loss_local = mesh, param_axes, loss_local
+        self.mesh, self.param_axes = mesh, param_axes
+        self.loss_local: LossLocal = loss_local or _no_loss_local
         self.rules = mesh_rules(rules, mesh)
         self.batch_axes = tuple(a for a in batch_axes if mesh.shape[a] > 1)
         # The optimizer state (and the synced gradients) are split as the rules say; the params
@@ -263,6 +271,9 @@ class ShardedModel:
         self.batch_specs = tuple(batch_specs) if batch_specs is not None else (default,)
         self.sync_axes = grad_sync_axes(self.state_specs, mesh, batch_axes, token_axes, token_free)
         self.gather = gather
+        self.pipeline = pipeline
+        if pipeline is not None:
+            staged.check(self, pipeline)
         self._steps: dict[tuple[Any, float | None], Callable[..., Any]] = {}
 
     def sharding(self, spec: P) -> NamedSharding:
@@ -327,10 +338,17 @@ class ShardedModel:
         ``train_step`` leaves the caller's arrays alive.
         """
         self.check_params(params)
+        if self.pipeline is not None:  # device s holds chunks s, s+S, ... of the layers
+            params = self.pipeline.to_stage_order(params)
         # An explicit copy: device_put(may_alias=False) still reuses a source buffer that already
         # lives on a target device (measured on jax 0.10.2), and donation would then delete it.
         shardings = jax.tree.map(self.sharding, self.specs, is_leaf=_is_spec)
         return jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings)(params)
+
+    def to_reference(self, tree: PyTree) -> PyTree:
+        """A params-shaped tree of this model (params, gradients) in your layer order: the
+        identity unless a pipeline with virtual chunks stores the layers in stage order."""
+        return tree if self.pipeline is None else self.pipeline.to_reference(tree)
 
     def shard_batch(self, *arrays: Array) -> tuple[Array, ...]:
         """Places each batch input per its spec (checked first)."""
@@ -357,6 +375,8 @@ class ShardedModel:
 
     def loss_and_grads_local(self, params: PyTree, *batch: Array) -> tuple[Array, PyTree]:
         """Inside shard_map: (global loss, synced gradients sharded like ``state_specs``)."""
+        if self.pipeline is not None:
+            return staged.grads_local(self, self.pipeline, params, *batch)
         # Cast params varying over the axes their gradients are partial sums over, so autodiff
         # leaves those sums alone and sync_grads reduces them explicitly, bucketed.
         params = dp.vary(params, self.vary_axes)
@@ -485,6 +505,11 @@ class ShardedModel:
             )
 
         return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _no_loss_local(*_args: Any) -> Array:
+    """The ``loss_local`` of a pipelined model, whose stages compute the loss instead."""
+    raise NotImplementedError("A pipelined ShardedModel computes its loss in its stages.")
 
 
 def _without(specs: PyTree, axes: Axes) -> PyTree:

@@ -60,7 +60,7 @@ from jaxtyping import Array
 
 import vit_ref
 from shardkit.mesh import Plan, format_mesh, make_mesh
-from shardkit.models import sharded
+from shardkit.models import sharded, staged
 from shardkit.models.vit.plan import (
     EMBED_LEAVES,
     HEAD_LEAVES,
@@ -82,7 +82,6 @@ from shardkit.parallel import pipeline as pl
 from shardkit.parallel import sequence as sp
 from shardkit.parallel.collectives import all_gather
 from shardkit.parallel.tensor import attention_tp, mlp_tp
-from shardkit.parallel.vma import vary, varying_axes
 from vit_ref import model as ref
 
 Params = dict[str, Any]
@@ -304,16 +303,6 @@ def _split_blocks(params: Params) -> Params:
 # ----------------------------------------------------------------------------- pipeline
 
 
-def _microbatches(x: Array, micro: int) -> Array:
-    """[b, ...] -> [M, b/M, ...]: microbatch m holds local examples m·b/M ... (m+1)·b/M − 1."""
-    return x.reshape(micro, x.shape[0] // micro, *x.shape[1:])
-
-
-def _chunks(blocks: Params, virtual: int) -> Params:
-    """This device's layers [V·n, ...] (in ``layer_order``) as V chunks [V, n, ...]."""
-    return jax.tree.map(lambda a: a.reshape(virtual, a.shape[0] // virtual, *a.shape[1:]), blocks)
-
-
 def _pipeline_fns(cfg: vit_ref.ViTConfig, plan: Plan, lay: Layout) -> tuple[Callable, ...]:
     """(embed_fn, stage_fn, head_fn) of the ViT cut into pipeline chunks (params whole)."""
 
@@ -464,37 +453,20 @@ class ShardedViT(sharded.ShardedModel):
     def _pipeline_grads_local(
         self, params: Params, images: Array, labels: Array
     ) -> tuple[Array, Params]:
-        """The schedule's forward and backward on M microbatches of the local batch.
-
-        Params are cast varying over their sync axes (as without a pipeline), FSDP-gathered
-        once (this device's layers, the embedding and the head), run by
-        ``pipeline.pipeline_grads``, and the gradients reduce-scattered by the gather's
-        transpose and all-reduced by ``sync_grads``; the embedding's and the head's are summed
-        over ``stage`` by the engine (only the first / last stage adds to them).
-        """
-        plan, micro = self.plan, self.plan.microbatches
+        """The schedule's forward and backward on M microbatches of the local batch, through
+        the generic pipeline option (``models.staged``): the embedding is chunk 0's
+        prologue, the final norm, pooling, head and cross-entropy the last chunk's epilogue."""
         global_batch = images.shape[0] * self.mesh.shape["data"]
-        embed_fn, stage_fn, head_fn = _pipeline_fns(self.cfg, plan, self.layout)
+        embed_fn, stage_fn, head_fn = _pipeline_fns(self.cfg, self.plan, self.layout)
 
         def loss_fn(p: Params, y: Array, labels_m: Array) -> Array:
             ce = optax.softmax_cross_entropy_with_integer_labels(head_fn(p, y), labels_m)
             return ce.sum() / global_batch
 
-        dims = self.gather_dims()
-        whole, scatter = jax.vjp(lambda p: dp.fsdp_gather(p, dims), dp.vary(params, self.vary_axes))
-        embed_p, head_p = _split_outer(whole)
-        loss, d_chunks, d_embed, d_head = pl.pipeline_grads(
-            schedule(plan),
-            stage_fn,
-            _chunks(whole["blocks"], plan.virtual),
-            pl.Ends(embed_fn, embed_p, loss_fn, head_p),
-            _microbatches(images, micro),
-            _microbatches(labels, micro),
-        )
-        d_blocks = jax.tree.map(lambda g, w: g.reshape(w.shape), d_chunks, whole["blocks"])
-        d_whole = {**d_embed, **d_head, "blocks": d_blocks}
-        (grads,) = scatter(jax.tree.map(_typed_like, {k: d_whole[k] for k in whole}, whole))
-        return self.total_loss(loss), self.finish_grads(grads)
+        embed = tuple(k for k in EMBED_LEAVES if k in params)
+        stages = staged.Stages(schedule(self.plan), embed_fn, stage_fn, loss_fn, "blocks",
+                               embed, HEAD_LEAVES)  # fmt: skip
+        return staged.grads_local(self, stages, params, images, labels)
 
     def _pipeline_logits_local(self, params: Params, images: Array) -> Array:
         """logits[B_data, O]: the schedule's forwards alone (``pipeline.pipeline_forward``)."""
@@ -505,12 +477,12 @@ class ShardedViT(sharded.ShardedModel):
         logits = pl.pipeline_forward(
             schedule(plan),
             stage_fn,
-            _chunks(whole["blocks"], plan.virtual),
+            staged.chunks(whole["blocks"], plan.virtual),
             embed_fn,
             embed_p,
             head_fn,
             head_p,
-            _microbatches(images, plan.microbatches),
+            staged.microbatches(images, plan.microbatches),
         )
         return logits.reshape(images.shape[0], *logits.shape[2:])
 
@@ -520,9 +492,3 @@ def _reorder(tree: Params, order: np.ndarray) -> Params:
     if np.array_equal(order, np.arange(len(order))):
         return tree
     return {**tree, "blocks": jax.tree.map(lambda a: a[order], tree["blocks"])}
-
-
-def _typed_like(g: Array, ref_: Array) -> Array:
-    """A gradient cast to its primal's varying axes (the pipeline types it over more, e.g.
-    ``stage`` for the embedding's after its sum over stage, or ``data``)."""
-    return vary(g, varying_axes(ref_))

@@ -18,6 +18,7 @@ import numpy as np
 import vit_ref
 from shardkit.mesh import AXES, Plan, PlanError, logical_specs
 from shardkit.models import sharded
+from shardkit.parallel import pipeline
 from shardkit.parallel import sequence as sp
 from shardkit.parallel.pipeline import schedules
 
@@ -130,16 +131,9 @@ def schedule(plan: Plan) -> schedules.Schedule:
 
 
 def layer_order(cfg: vit_ref.ViTConfig, plan: Plan) -> np.ndarray:
-    """order[p] = the vit_ref layer stored at position p of the stacked blocks.
-
-    Split over S stages, position p = (s, v, j) (row-major over [S, V, depth/(S·V)]) is layer j
-    of chunk v·S + s: each device's contiguous block holds its chunks s, s+S, ... in order. The
-    identity unless V > 1.
-    """
-    stages, virtual = plan.size("stage"), plan.virtual
-    per_chunk = cfg.depth // (stages * virtual)
-    s, v, j = np.meshgrid(range(stages), range(virtual), range(per_chunk), indexing="ij")
-    return ((v * stages + s) * per_chunk + j).reshape(-1)
+    """order[p] = the vit_ref layer stored at position p of the stacked blocks
+    (``pipeline.layer_order`` of the depth over the plan's stages and virtual chunks)."""
+    return pipeline.layer_order(cfg.depth, plan.size("stage"), plan.virtual)
 
 
 def ulysses_factor(cfg: vit_ref.ViTConfig, plan: Plan) -> int:

@@ -58,6 +58,7 @@ from shardkit.parallel.pipeline.tables import (
     Tables,
     branch_runs,
     forward_tables,
+    layer_order,
     tables,
 )
 
@@ -69,6 +70,7 @@ __all__ = [
     "Tables",
     "branch_runs",
     "forward_tables",
+    "layer_order",
     "pipeline_forward",
     "pipeline_grads",
     "schedules",

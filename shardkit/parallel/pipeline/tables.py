@@ -234,3 +234,16 @@ def forward_pairs(schedule: Schedule) -> list[tuple[int, int]]:
     """ppermute pairs stage s -> s+1 (wrapping round when chunks are interleaved, V > 1)."""
     S = schedule.stages
     return [(s, (s + 1) % S) for s in range(S if schedule.virtual > 1 else S - 1)]
+
+
+def layer_order(depth: int, stages: int, virtual: int) -> np.ndarray:
+    """order[p] = the model's layer stored at position p of a stacked layer dim split over
+    ``stages`` devices with ``virtual`` chunks each.
+
+    Position p = (s, v, j) (row-major over [S, V, depth/(S·V)]) is layer j of chunk v·S + s:
+    each device's contiguous block holds its chunks s, s+S, ... in order. The identity unless
+    V > 1.
+    """
+    per_chunk = depth // (stages * virtual)
+    s, v, j = np.meshgrid(range(stages), range(virtual), range(per_chunk), indexing="ij")
+    return ((v * stages + s) * per_chunk + j).reshape(-1)

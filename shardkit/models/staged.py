@@ -1,0 +1,151 @@
+"""Pipelining any model: ``Stages`` says how a model cuts into stages, and ``ShardedModel``
+(``pipeline=Stages(...)``) runs its gradients through ``parallel.pipeline``'s engine.
+
+You give the schedule (``parallel.pipeline.schedules.build``) and three functions:
+
+  embed_fn  ``(embed_params, input_m) -> x``             before chunk 0 (stage 0)
+  stage_fn  ``(chunk_params, x) -> y``                   one chunk: its layers, y typed like x
+  loss_fn   ``(head_params, y, target_m) -> share``      after the last chunk: this
+            microbatch's share of the GLOBAL loss (divide by the global batch yourself)
+
+and which params each reads: ``layers`` names the top-level subtree of stacked layers
+``[L, ...]`` (its logical axis, e.g. ``"layers"``, mapped to ``stage`` by your rules);
+``embed`` and ``head`` the top-level keys the ends read (a key in both is tied: its two
+gradients are summed, and that sum is the stage all-reduce the engine already makes).
+
+Placement: device s of the stage axis holds chunks s, s+S, ... (``pipeline.layer_order``):
+``ShardedModel.shard`` stores the layers so and ``to_reference`` maps any params-shaped tree
+(gradients) back to your order. The batch inputs are ``(inputs, targets)``, each split into M
+microbatches of the data-local batch. Sharding signature, per device of (data, stage):
+
+  params[layers][L_stage, ...] · inputs[B_data, ...] · targets[B_data, ...]
+    -> loss (invariant), grads like params (layers split over stage, ends whole)
+
+Composes with data parallelism, FSDP / ZeRO-1 (every split leaf gathered once per step before
+the schedule, its gradient reduce-scattered once after it) and any collective inside a chunk
+whose groups lie within a stage (the engine refuses a ``ppermute``). ZeRO-2 is refused: the
+schedule sums a layer's gradients over microbatches before they are whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+from jaxtyping import Array
+
+from shardkit.mesh import PlanError
+from shardkit.parallel import data as dp
+from shardkit.parallel import pipeline
+from shardkit.parallel.pipeline.engine import EmbedFn, LossFn, StageFn
+from shardkit.parallel.pipeline.schedules import Schedule
+from shardkit.parallel.vma import vary, varying_axes
+
+if TYPE_CHECKING:
+    from shardkit.models.sharded import ShardedModel
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    """How a model cuts into pipeline stages (the module docstring says what each part is)."""
+
+    schedule: Schedule
+    embed_fn: EmbedFn
+    stage_fn: StageFn
+    loss_fn: LossFn
+    layers: str = "layers"
+    embed: tuple[str, ...] = ()
+    head: tuple[str, ...] = ()
+    axis: str = "stage"
+
+    def order(self, depth: int) -> np.ndarray:
+        """order[p] = your layer stored at position p (``pipeline.layer_order``)."""
+        return pipeline.layer_order(depth, self.schedule.stages, self.schedule.virtual)
+
+    def to_stage_order(self, tree: PyTree) -> PyTree:
+        """A params-shaped tree with its layers in the order the stages hold them."""
+        return self._reordered(tree, inverse=False)
+
+    def to_reference(self, tree: PyTree) -> PyTree:
+        """A params-shaped tree (params, gradients) with its layers back in your order."""
+        return self._reordered(tree, inverse=True)
+
+    def _reordered(self, tree: PyTree, inverse: bool) -> PyTree:
+        depth = jax.tree.leaves(tree[self.layers])[0].shape[0]
+        order = self.order(depth)
+        if np.array_equal(order, np.arange(depth)):
+            return tree
+        order = np.argsort(order) if inverse else order
+        return {**tree, self.layers: jax.tree.map(lambda a: a[order], tree[self.layers])}
+
+
+def check(model: ShardedModel, stages: Stages) -> None:
+    """PlanError (one sentence) unless ``model``'s mesh, ZeRO level and params fit ``stages``."""
+    n = model.mesh.shape.get(stages.axis)
+    if n != stages.schedule.stages:
+        raise PlanError(
+            f"The schedule has {stages.schedule.stages} stages but the mesh's {stages.axis!r} "
+            f"axis has {n} devices."
+        )
+    if model.zero == 2 and model.batch_axes:
+        raise PlanError(
+            "ZeRO-2 cannot run under a pipeline: the schedule sums each layer's gradients over "
+            "the microbatches before they are whole; use ZeRO-1 or 3."
+        )
+    if len(model.batch_specs) != 2:
+        raise PlanError(
+            f"A pipelined model takes two batch inputs (inputs, targets), not "
+            f"{len(model.batch_specs)}."
+        )
+
+
+def grads_local(
+    model: ShardedModel, stages: Stages, params: PyTree, inputs: Array, targets: Array
+) -> tuple[Array, PyTree]:
+    """Inside shard_map: (global loss, synced gradients) of ``model`` run by the schedule.
+
+    Params are cast varying over their sync axes (as without a pipeline), FSDP-gathered once
+    (this device's layers and the ends), run by ``pipeline.pipeline_grads`` on M microbatches,
+    and their gradients reduce-scattered by the gather's transpose and synced by
+    ``model.finish_grads``.
+    """
+    sched, micro = stages.schedule, stages.schedule.micro
+    dims = model.gather_dims()
+    axis = model.batch_axes[0] if model.batch_axes else "data"
+    gathered = (lambda p: dp.fsdp_gather(p, dims, axis)) if model.batch_axes else (lambda p: p)
+    whole, scatter = jax.vjp(gathered, dp.vary(params, model.vary_axes))
+    ends = pipeline.Ends(
+        stages.embed_fn, {k: whole[k] for k in stages.embed},
+        stages.loss_fn, {k: whole[k] for k in stages.head},
+    )  # fmt: skip
+    loss, d_chunks, d_embed, d_head = pipeline.pipeline_grads(
+        sched, stages.stage_fn, chunks(whole[stages.layers], sched.virtual), ends,
+        microbatches(inputs, micro), microbatches(targets, micro), axis=stages.axis,
+    )  # fmt: skip
+    layers = whole[stages.layers]
+    d_whole = {stages.layers: jax.tree.map(lambda g, w: g.reshape(w.shape), d_chunks, layers)}
+    for k in {*stages.embed, *stages.head}:
+        parts = [d[k] for d in (d_embed, d_head) if k in d]
+        d_whole[k] = parts[0] if len(parts) == 1 else jax.tree.map(lambda a, b: a + b, *parts)
+    (grads,) = scatter(jax.tree.map(_typed_like, {k: d_whole[k] for k in whole}, whole))
+    return model.total_loss(loss), model.finish_grads(grads)
+
+
+def microbatches(x: Array, micro: int) -> Array:
+    """[b, ...] -> [M, b/M, ...]: microbatch m holds local examples m·b/M ... (m+1)·b/M − 1."""
+    return x.reshape(micro, x.shape[0] // micro, *x.shape[1:])
+
+
+def chunks(layers: PyTree, virtual: int) -> PyTree:
+    """This device's layers [V·n, ...] (in stage order) as V chunks [V, n, ...]."""
+    return jax.tree.map(lambda a: a.reshape(virtual, a.shape[0] // virtual, *a.shape[1:]), layers)
+
+
+def _typed_like(g: Array, ref: Array) -> Array:
+    """A gradient cast to its primal's varying axes (the engine types it over more, e.g.
+    ``stage`` for the embedding's after its sum over stage, or ``data``)."""
+    return vary(g, varying_axes(ref))
