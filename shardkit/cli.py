@@ -15,6 +15,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from shardkit.mesh import PP_MODES, SP_MODES, ZERO_LEVELS
+
 DEFAULT_MODEL = dict(
     image=32, patch=4, channels=3, classes=10, dim=64, depth=2, heads=8, mlp_dim=128, pool="tok"
 )
@@ -48,7 +50,7 @@ def _add_plan_opts(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("plan (verify: none given runs the default matrix)")
     g.add_argument("--devices", type=int, help="CPU devices (default: the --mesh's size, else 8)")
     g.add_argument("--mesh", help="e.g. data=2,seq=2,model=2 (omitted axes are 1)")
-    g.add_argument("--sp", choices=("none", "megatron", "ring", "ulysses", "usp"))
+    g.add_argument("--sp", choices=SP_MODES)
     g.add_argument(
         "--ulysses",
         type=int,
@@ -59,13 +61,13 @@ def _add_plan_opts(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--zero",
         type=int,
-        choices=(0, 1, 2, 3),
+        choices=ZERO_LEVELS,
         help="ZeRO level over data: 1 optimizer state split, 2 also gradients, 3 also params",
     )
     g.add_argument("--remat", action="store_true", help="recompute blocks (re-gather under FSDP)")
     g.add_argument(
         "--pp",
-        choices=("none", "gpipe", "1f1b", "interleaved", "zb"),
+        choices=PP_MODES,
         help="pipeline schedule over the stage axis (needs stage > 1 in --mesh)",
     )
     g.add_argument(
