@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from shardkit.mesh import PP_MODES, SP_MODES, ZERO_LEVELS
+from shardkit.mesh import PP_MODES, REMAT_POLICIES, SP_MODES, ZERO_LEVELS
 
 DEFAULT_MODEL = dict(
     image=32, patch=4, channels=3, classes=10, dim=64, depth=2, heads=8, mlp_dim=128, pool="tok"
@@ -64,7 +64,14 @@ def _add_plan_opts(p: argparse.ArgumentParser) -> None:
         choices=ZERO_LEVELS,
         help="ZeRO level over data: 1 optimizer state split, 2 also gradients, 3 also params",
     )
-    g.add_argument("--remat", action="store_true", help="recompute blocks (re-gather under FSDP)")
+    g.add_argument(
+        "--remat",
+        nargs="?",
+        const="full",
+        choices=REMAT_POLICIES,
+        help="what each block recomputes in backward: dots (keep the matmul outputs) or full "
+        "(the default when the flag is bare; re-gathers under FSDP)",
+    )
     g.add_argument(
         "--pp",
         choices=PP_MODES,
@@ -197,7 +204,7 @@ def plan_from_args(args: argparse.Namespace) -> Any:
         ulysses=args.ulysses,
         fsdp=args.fsdp,
         zero=args.zero or 0,
-        remat=args.remat,
+        remat=args.remat or "none",
         pp=args.pp or "none",
         microbatches=1 if args.microbatches is None else args.microbatches,
         virtual=1 if args.virtual is None else args.virtual,

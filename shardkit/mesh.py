@@ -33,6 +33,10 @@ AXES = ("data", "stage", "seq", "model")
 SP_MODES = ("none", "megatron", "ring", "ulysses", "usp")
 PP_MODES = ("none", "gpipe", "1f1b", "interleaved", "zb")
 ZERO_LEVELS = (0, 1, 2, 3)  # none, optimizer state, + gradients, + params (FSDP)
+# What a block keeps for its backward: everything ("none": no recompute), only the outputs of
+# the matmuls without batch dims ("dots": the rest, LayerNorm, softmax, GELU and attention's
+# batched products, recomputed), or only its input ("full": the whole block recomputed).
+REMAT_POLICIES = ("none", "dots", "full")
 
 
 class PlanError(ValueError):
@@ -190,8 +194,11 @@ class Plan:
         reduce-scattered at the step's end, params all-gathered after the update); 2 also the
         gradients, reduce-scattered where backward makes them; 3 the params too (FSDP).
       fsdp: the same as ``zero=3`` (either sets the other; a conflict is a PlanError).
-      remat: recompute each block in backward; with FSDP the gathered weights are then not
-        kept but gathered again.
+      remat: the block's recomputation policy (``REMAT_POLICIES``): "none", "dots" (keep the
+        matmul outputs, recompute the elementwise work and attention's scores) or "full"
+        (recompute the block); True means "full", False "none". Recomputing re-runs the
+        collectives whose results the backward reads (with FSDP the layer's weights are
+        gathered again).
       pp: the pipeline schedule over ``stage`` (``parallel.schedules``): none, gpipe, 1f1b,
         interleaved or zb (ZB-H1); needs stage > 1, and stage > 1 needs one.
       microbatches: M, the pipeline's microbatches per data-local batch (1 without a pipeline).
@@ -203,7 +210,7 @@ class Plan:
     ulysses: int | None = None
     fsdp: bool = False
     zero: int = 0
-    remat: bool = False
+    remat: str = "none"
     pp: str = "none"
     microbatches: int = 1
     virtual: int = 1
@@ -224,6 +231,12 @@ class Plan:
         if self.pp not in PP_MODES:
             raise PlanError(
                 f"Unknown pipeline schedule {self.pp!r}; choose one of {', '.join(PP_MODES)}."
+            )
+        if isinstance(self.remat, bool):
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
+        if self.remat not in REMAT_POLICIES:
+            raise PlanError(
+                f"Unknown remat policy {self.remat!r}; choose one of {', '.join(REMAT_POLICIES)}."
             )
         if self.zero not in ZERO_LEVELS:
             raise PlanError(f"--zero must be one of 0, 1, 2, 3, got {self.zero!r}.")
@@ -282,6 +295,11 @@ class Plan:
             (not none and virtual > 1 and pp != "interleaved",
              f"--virtual {virtual} only applies to --pp interleaved, not --pp {pp}"),
         ]  # fmt: skip
+
+    @property
+    def recompute(self) -> bool:
+        """Whether the blocks recompute anything in backward (``remat`` is not "none")."""
+        return self.remat != "none"
 
     @property
     def num_devices(self) -> int:

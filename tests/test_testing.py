@@ -183,7 +183,7 @@ def test_sharded_cases_reach_the_hard_cases() -> None:
             all_modes,
             lambda c: c[1].sp == "usp" and layout(c).attention == "usp",  # type: ignore[attr-defined]
         ),
-        "megatron with remat": (all_modes, lambda c: c[1].sp == "megatron" and c[1].remat),
+        "megatron with remat": (all_modes, lambda c: c[1].sp == "megatron" and c[1].recompute),
         "megatron over seq × model, ring inside": (
             all_modes,
             lambda c: c[1].sp == "megatron" and layout(c).attention == "ring",  # type: ignore[attr-defined]

@@ -33,10 +33,11 @@ def loss_fn(
     labels: Int[Array, " b"],
     cfg: ViTConfig,
     constrain: Callable[[Array], Array] | None = None,
+    remat: str = "none",
 ) -> Float[Array, ""]:
-    """The training objective: cross-entropy of the reference forward (``constrain``: see
-    ``forward``)."""
-    logits, _ = forward(params, images, cfg, constrain)
+    """The training objective: cross-entropy of the reference forward (``constrain``,
+    ``remat``: see ``forward``)."""
+    logits, _ = forward(params, images, cfg, constrain, remat)
     return cross_entropy(logits, labels)
 
 
@@ -64,15 +65,18 @@ def apply_optimizer(
         return optax.apply_updates(params, updates), opt_state
 
 
-def make_train_step(cfg: ViTConfig, optimizer: optax.GradientTransformation) -> TrainStep:
+def make_train_step(
+    cfg: ViTConfig, optimizer: optax.GradientTransformation, remat: str = "none"
+) -> TrainStep:
     """A jitted step ``(params, opt_state, images, labels) -> (params, opt_state, metrics)``.
 
     ``metrics``: ``loss`` and ``grad_norm`` (the global L2 norm of the gradients, before any
     clipping). params and opt_state are donated: pass fresh copies if you still need the old ones.
+    ``remat``: the blocks' recomputation policy (``forward``).
     """
 
     def step(params: Params, opt_state: Any, images: Array, labels: Array):
-        loss, grads = jax.value_and_grad(loss_fn)(params, images, labels, cfg)
+        loss, grads = jax.value_and_grad(loss_fn)(params, images, labels, cfg, None, remat)
         grad_norm = optax.tree.norm(grads)
         params, opt_state = apply_optimizer(optimizer, grads, opt_state, params)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm}

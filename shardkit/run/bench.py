@@ -54,7 +54,7 @@ DEFAULT_BATCH = 32
 
 def strategies(devices: int = 8) -> list[Case]:
     """Every strategy the project has (``verify``'s matrix without remat: auto has none)."""
-    return [case for case in default_matrix(devices) if not case.plan.remat]
+    return [case for case in default_matrix(devices) if not case.plan.recompute]
 
 
 # ----------------------------------------------------------------------------- FLOPs

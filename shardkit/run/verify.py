@@ -112,7 +112,7 @@ def default_matrix(devices: int = 8) -> list[Case]:
         Case("DP×TP", Plan({"data": 4, "model": 2})),
         Case("FSDP", Plan({"data": 8}, fsdp=True)),
         Case("FSDP×TP", Plan({"data": 4, "model": 2}, fsdp=True)),
-        Case("FSDP remat", Plan({"data": 8}, fsdp=True, remat=True)),
+        Case("FSDP remat", Plan({"data": 8}, fsdp=True, remat="full")),
         Case("ZeRO-1×TP", Plan({"data": 4, "model": 2}, zero=1)),
         Case("ZeRO-2×TP", Plan({"data": 4, "model": 2}, zero=2)),
         Case("Megatron-SP", Plan({"data": 2, "model": 4}, sp="megatron")),

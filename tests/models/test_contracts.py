@@ -63,6 +63,12 @@ COMPOSITIONS = {
         CFG,
         Plan({"seq": 4, "model": 2}, sp="megatron", ulysses=2),
     ),
+    # remat "dots": the re-run attention g combined with the MLP's backward f (one op).
+    "DP×TP remat dots": (CFG, Plan({"data": 4, "model": 2}, remat="dots")),
+    "ring+TP+FSDP remat dots": (
+        CFG,
+        Plan({"data": 2, "seq": 2, "model": 2}, sp="ring", fsdp=True, remat="dots"),
+    ),
 }
 _REPORTS: dict[str, report.Report] = {}
 

@@ -96,7 +96,7 @@ class ViTExpectation(Expectation):
 
     @property
     def exact(self) -> bool:
-        return not (self.plan.remat and self.cfg.depth == 1)
+        return not (self.plan.recompute and self.cfg.depth == 1)
 
     @property
     def bound_why(self) -> str:
@@ -254,17 +254,23 @@ def _tp_terms(g: Geometry) -> list[Term]:
     remat: the backward re-runs each block's forward, including attention's g, because LN2
     reads x + attention(x); the MLP's g is not re-run (nothing reads the block's output).
       recompute  l × AR_X(A·w)
+    Under remat "dots" the re-run g and the MLP's backward f of the same layer are
+    independent, and XLA's all-reduce combiner runs them as ONE op: the bytes as above, no
+    extra op.
     """
     n = g.plan.size("model")
     if n == 1 or g.plan.sp == "megatron":
         return []
     layers, a = g.cfg.depth, g.b * g.t * g.cfg.dim
     ar = functools.partial(term, g, "all-reduce", ["model"])
-    return [
+    terms = [
         *ar(2 * layers, all_reduce_bytes(a * g.act, n), "Megatron g: sum {U_model}", "forward"),
         *ar(2 * layers, all_reduce_bytes(a * WORD, n), "Megatron f: sum cotangent", "backward"),
-        *ar(layers * g.plan.remat, all_reduce_bytes(a * g.act, n), "attention g", "recompute"),
+        *ar(layers * g.plan.recompute, all_reduce_bytes(a * g.act, n), "attention g", "recompute"),
     ]
+    if g.plan.remat == "dots":  # the re-run g and the MLP's f of its layer: one combined op
+        terms[-1] = dataclasses.replace(terms[-1], count=0, phase="recompute (combined)")
+    return terms
 
 
 def _megatron_sp_terms(g: Geometry) -> list[Term]:
@@ -290,7 +296,7 @@ def _megatron_sp_terms(g: Geometry) -> list[Term]:
     rs = functools.partial(term, g, "reduce-scatter", ["model"])
     gather, scatter = all_gather_bytes(full * WORD, n), reduce_scatter_bytes(full * g.act, n)
     back_ag, back_rs = all_gather_bytes(full * g.act, n), reduce_scatter_bytes(full * WORD, n)
-    remat = g.plan.remat
+    remat = g.plan.recompute
     return [
         *ag(2 * layers, gather, "gather token shards into each TP region", "forward"),
         *rs(2 * layers, scatter, "sum {U_model}, keep own tokens", "forward"),
@@ -321,8 +327,8 @@ def _ring_terms(g: Geometry) -> list[Term]:
     r, layers, e = g.sizes[g.ring_axis], g.cfg.depth, g.block
     # Every hop (K, V and the dK, dV accumulators) goes from ring position i to i + 1.
     hop = functools.partial(term, g, "collective-permute", [g.ring_axis], step=1)
-    redo = 2 * layers * (r - 1) if g.plan.remat and r > 2 else 0
-    merged = layers == 1 and r == 2 and not g.plan.remat
+    redo = 2 * layers * (r - 1) if g.plan.recompute and r > 2 else 0
+    merged = layers == 1 and r == 2 and not g.plan.recompute
     again = 0 if merged else 2 * layers * (r - 1)
     return [
         *hop(
@@ -352,7 +358,9 @@ def _ulysses_terms(g: Geometry) -> list[Term]:
     return [
         *a2a(4 * layers, each, "q, k, v to a head split; out back", "forward"),
         *a2a(4 * layers, each, "transposed all-to-alls", "backward"),
-        *a2a(4 * layers * g.plan.remat, each, "q, k, v, out of the re-run forward", "recompute"),
+        *a2a(
+            4 * layers * g.plan.recompute, each, "q, k, v, out of the re-run forward", "recompute"
+        ),
     ]
 
 

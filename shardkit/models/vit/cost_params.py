@@ -166,7 +166,9 @@ def fsdp_terms(g: Geometry) -> list[Term]:
         *fsdp_group(g, "reduce-scatter", outer, 1, "their gradients", "backward"),
         *fsdp_group(g, "all-gather", blocks, layers, "block weights, per layer", "forward"),
         *fsdp_group(g, "reduce-scatter", blocks, layers, "their gradients", "backward"),
-        *fsdp_group(g, "all-gather", blocks * g.plan.remat, layers, "block weights", "recompute"),
+        *fsdp_group(
+            g, "all-gather", blocks * g.plan.recompute, layers, "block weights", "recompute"
+        ),
     ]
 
 

@@ -228,8 +228,8 @@ def _encoder_local(
             p_layer = dp.zero_attach(p_layer, f_layer, zero_dims)
         return _block_local(x, p_layer, key_valid, cfg, lay), None
 
-    if plan.remat:
-        body = jax.checkpoint(body)
+    if plan.recompute:
+        body = ref.remat_block(body, plan.remat)
     x, _ = jax.lax.scan(body, x, (blocks, frags))
     return x
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from hypothesis import strategies as st
 
 import vit_ref
-from shardkit.mesh import ZERO_LEVELS, Plan
+from shardkit.mesh import REMAT_POLICIES, ZERO_LEVELS, Plan
 from shardkit.parallel.pipeline.schedules import SCHEDULES
 from shardkit.testing import DEFAULT_AXES, meshes
 
@@ -62,7 +62,7 @@ def sharded_cases(
     max_devices: int = 8,
     sp_modes: tuple[str, ...] = ("none",),
     zero: int | None = None,
-    remat: bool | None = None,
+    remat: str | bool | None = None,
 ) -> tuple[vit_ref.ViTConfig, Plan, int]:
     """(cfg, plan, batch) that fit each other: every divisibility constraint holds.
 
@@ -81,7 +81,12 @@ def sharded_cases(
         sp = "ring" if sp == "megatron" and mesh["seq"] > 1 else "none"
     if zero is None:
         zero = draw(st.sampled_from(ZERO_LEVELS)) if mesh["data"] > 1 else 0
-    use_remat = draw(st.booleans()) if remat is None else remat
+    if remat is None:
+        use_remat = draw(st.sampled_from(REMAT_POLICIES))
+    elif isinstance(remat, bool):
+        use_remat = "full" if remat else "none"
+    else:
+        use_remat = remat
     ulysses = {"ulysses": mesh["seq"]}.get(sp, 1)
     explicit_ulysses = None
     if sp == "usp" or (sp == "megatron" and mesh["seq"] > 1):
