@@ -144,6 +144,17 @@ def _add_bench_parser(sub: Any) -> None:
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     bench.add_argument("--plot", metavar="FILE.png", help="draw time and bytes per strategy")
+    chip = bench.add_argument_group("one device's throughput (--chip)")
+    chip.add_argument(
+        "--chip",
+        action="store_true",
+        help="vit_ref vs the sharded ViT on the first device: img/s, MFU, memory (default model "
+        "B/16, bfloat16)",
+    )
+    chip.add_argument("--batches", default="32,64,128,256", help="comma-separated batch sizes")
+    chip.add_argument(
+        "--remats", default="dots", help=f"comma-separated remat policies of {REMAT_POLICIES}"
+    )
 
 
 def _add_train_parser(sub: Any) -> None:
@@ -434,6 +445,8 @@ def run_bench(args: argparse.Namespace) -> int:
         )
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib: pip install 'shardkit[plot]'.")
+    if args.chip:
+        return _run_chip_bench(args)
     _setup_devices(args.devices)
     cfg = model_config(args, bench.DEFAULT_MODEL)
     cases = _bench_cases(args)
@@ -445,6 +458,44 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.plot:
         bench.plot(result, args.plot)
     print(json.dumps(result) if args.json else bench.format_table(result, args.markdown))
+    return 0
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise UsageError(f"{flag} takes positive integers separated by commas, got {text!r}.")
+    return values
+
+
+def _run_chip_bench(args: argparse.Namespace) -> int:
+    """``bench --chip``: one device's throughput table (``run.throughput``)."""
+    from shardkit.run import throughput
+
+    if _plan_given(args) or args.strategies:
+        raise UsageError("--chip runs one device: give no --mesh, plan options or --strategies.")
+    batches = _int_list(args.batches, "--batches")
+    remats = [r.strip() for r in args.remats.split(",") if r.strip()]
+    unknown = [r for r in remats if r not in REMAT_POLICIES]
+    if unknown or not remats:
+        raise UsageError(
+            f"--remats takes policies of {', '.join(REMAT_POLICIES)}, got {args.remats!r}."
+        )
+    if args.variant is None and args.dim is None:
+        args.variant, args.dtype = "B/16", args.dtype or "bfloat16"
+    cfg = model_config(args, head_zeroinit=False)
+
+    def progress(what: str) -> None:
+        print(f"bench: {what}", file=sys.stderr, flush=True)
+
+    result = throughput.run(cfg, batches, remats, steps=args.steps, warmup=args.warmup,
+                            progress=progress)  # fmt: skip
+    if args.plot:
+        throughput.plot(result, args.plot)
+    print(json.dumps(result) if args.json else throughput.format_table(result))
     return 0
 
 

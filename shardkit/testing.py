@@ -7,6 +7,12 @@ per-query constant, so it is exactly zero analytically and float noise in both r
 it their "relative" error is noise over noise. A wrong leaf of ordinary size still shows an
 error of order 1.
 
+Precision: on TPU (and GPU) a float32 matmul at JAX's default precision is a bf16 pass (about
+3 digits), so two correct float32 programs differ by ~5e-3. Every comparison here runs both
+sides under ``parity_precision()`` (``jax.default_matmul_precision("highest")``: float32
+matmuls in full float32, the CPU's default anyway), so the 1e-5 bound means the same on every
+backend. A step jitted before the call keeps the precision it was traced with.
+
 One call: ``compare_sharded(sharded, twin, params, *batch)`` compares the loss, every gradient
 leaf and one optimizer step (``comparison_optimizer``: AdamW with eps 1e-3, and why) of any
 sharded function against its unsharded twin, and names the worst leaf.
@@ -142,6 +148,12 @@ class Comparison:
             )
 
 
+def parity_precision() -> Any:
+    """The context in which sharded and reference are compared: float32 matmuls at full
+    float32 precision on every backend (the module docstring says why)."""
+    return jax.default_matmul_precision("highest")
+
+
 def compare_sharded(
     sharded: Callable[..., tuple[Any, PyTree]],
     twin: Callable[..., Any],
@@ -171,8 +183,9 @@ def compare_sharded(
     Returns:
       A :class:`Comparison`; call ``.assert_ok()`` in a test.
     """
-    want_loss, want_grads = jax.value_and_grad(twin)(params, *batch)
-    loss, grads = sharded(place(params), *batch)
+    with parity_precision():
+        want_loss, want_grads = jax.value_and_grad(twin)(params, *batch)
+        loss, grads = sharded(place(params), *batch)
     grads = jax.device_get(grads)
     optimizer = optimizer or comparison_optimizer()
     state = optimizer.init(params)

@@ -33,7 +33,7 @@ from shardkit.mesh import Plan, format_mesh
 from shardkit.models.vit import ShardedViT, check_plan
 from shardkit.models.vit.report import model_report
 from shardkit.run.launch import beat
-from shardkit.testing import comparison_optimizer, max_error
+from shardkit.testing import comparison_optimizer, max_error, parity_precision
 
 __all__ = [
     "Case",
@@ -168,6 +168,13 @@ def run_case(
     """Runs one case (on ``model``, built by ``prepare``, or a new one); raises PlanError
     before any compilation if the plan cannot work."""
     model = model or prepare(cfg, [case], batch)[0]
+    with parity_precision():  # float32 means float32 on TPU too (shardkit.testing)
+        return _run_case(cfg, case, batch, seed, model)
+
+
+def _run_case(
+    cfg: vit_ref.ViTConfig, case: Case, batch: int, seed: int, model: ShardedViT
+) -> CaseResult:
     ref = _reference(cfg, batch, seed)
     params = model.shard(ref["params"])
     images, labels = model.shard_batch(ref["images"], ref["labels"])

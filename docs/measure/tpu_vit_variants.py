@@ -1,0 +1,100 @@
+"""Where a ViT train step's time goes on one chip: vit_ref's numerics varied one at a time.
+
+Each variant is vit_ref's forward with some choices changed, timed like ``bench --chip``
+(AdamW, params and state donated, median of 10 steps):
+
+  loop       the blocks as a Python loop (XLA sees every layer) instead of ``lax.scan``
+  remat      none | dots | full (``vit_ref.REMAT``), per block
+  residual   float32 | bfloat16: the dtype of the residual stream between blocks
+  scores     float32 | bfloat16: attention logits and softmax
+  qkv        split | fused: three projections or one [d, 3, h, k] matmul
+
+    python docs/measure/tpu_vit_variants.py --batch 32 base loop res=bf16 ...
+"""
+
+import argparse
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import vit_ref
+from shardkit.run.bench import model_flops
+from shardkit.run.throughput import chip_peak, time_step
+from vit_ref import model as ref
+
+
+def attention(q, k, v, scores):
+    wide = jnp.float32 if scores == "f32" else q.dtype
+    logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=wide)
+    probs = jax.nn.softmax(logits * (1.0 / np.sqrt(q.shape[-1])), axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqs,bshk->bqhk", probs, v)
+
+
+def block(x, p, dtype, opts):
+    h = ref.layer_norm(x, p["ln1"]).astype(dtype)
+    a = p["attn"]
+    if opts.get("qkv") == "fused":
+        w = jnp.stack([a[n]["kernel"] for n in ("query", "key", "value")], axis=1).astype(dtype)
+        b = jnp.stack([a[n]["bias"] for n in ("query", "key", "value")], axis=0).astype(dtype)
+        qkv = jnp.einsum("btd,dnhk->nbthk", h, w) + b[:, None, None]
+        q, k, v = qkv[0], qkv[1], qkv[2]
+    else:
+        q, k, v = (ref.dense(h, a[n], "btd,dhk->bthk", dtype) for n in ("query", "key", "value"))
+    o = attention(q, k, v, opts.get("scores", "f32"))
+    x = x + ref.dense(o, a["out"], "bthk,hkd->btd", dtype).astype(x.dtype)
+    return x + ref.mlp(ref.layer_norm(x, p["ln2"]), p["mlp"], dtype).astype(x.dtype)
+
+
+def loss_fn(params, images, labels, cfg, opts):
+    dtype = jnp.bfloat16
+    x = ref.embed(params, images, cfg)
+    if opts.get("res") == "bf16":
+        x = x.astype(jnp.bfloat16)
+    run = ref.remat_block(lambda x, p: block(x, p, dtype, opts), opts.get("remat", "dots"))
+    if "loop" in opts:
+        for i in range(cfg.depth):
+            x = run(x, jax.tree.map(lambda a, i=i: a[i], params["blocks"]))
+    else:
+        x, _ = jax.lax.scan(lambda x, p: (run(x, p), None), x, params["blocks"])
+    x = ref.pool(ref.layer_norm(x, params["encoder_norm"]), cfg)
+    logits = ref.dense(x, params["head"], "bd,do->bo", dtype).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def step_and_args(cfg, batch, opts):
+    optimizer = vit_ref.make_optimizer()
+    params = vit_ref.init(jax.random.key(0), cfg)
+    state = jax.jit(optimizer.init)(params)
+    rng = np.random.default_rng(0)
+    images = jnp.asarray(rng.normal(size=(batch, cfg.image, cfg.image, 3)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, cfg.classes, batch), jnp.int32)
+
+    def step(params, state, images, labels):
+        value, grads = jax.value_and_grad(loss_fn)(params, images, labels, cfg, opts)
+        params, state = vit_ref.train.apply_optimizer(optimizer, grads, state, params)
+        return params, state, {"loss": value}
+
+    return jax.jit(step, donate_argnums=(0, 1)), (params, state, images, labels)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("variants", nargs="+", help="base, or comma-joined key=value / loop")
+    args = parser.parse_args()
+    cfg = vit_ref.variant("B/16", dtype="bfloat16", head_zeroinit=False)
+    _, peak, _ = chip_peak()
+    for name in args.variants:
+        opts = dict(o.split("=") if "=" in o else (o, "1") for o in name.split(",") if o != "base")
+        compile_s, temp, _, times = time_step(*step_and_args(cfg, args.batch, opts), 10, 2)
+        step_s = statistics.median(times)
+        mfu = model_flops(cfg, args.batch) / step_s / peak
+        print(f"{name:<40} {args.batch / step_s:8.1f} img/s {mfu:6.1%} MFU "
+              f"temp {temp / 1e9:5.2f} GB compile {compile_s:5.1f} s", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""``shardkit bench --chip``: one device's training throughput, ``vit_ref`` beside the sharded
+ViT, per batch size and recomputation policy, with MFU against the chip's peak and memory.
+
+For each (model, batch, remat policy): the jitted train step (params and optimizer state
+donated, AdamW) is compiled ahead of time, its per-device memory read from
+``memory_analysis`` (argument, output, temp; peak = argument + output + temp − aliased), then
+run ``warmup`` times and timed over ``steps`` calls (each to completion); the row reports the
+median step, images per second and MFU = ``bench.model_flops`` per step / median step / the
+chip's peak (``PEAK_FLOPS`` by ``device_kind``; on a backend with no entry, the matmul peak
+measured in the same run, as ``bench`` does). A step that does not fit is a row with its
+error, not a crash. The sharded ViT runs on ``Plan({"data": 1})``: one ``shard_map`` over one
+device, so the gap between the two is the cost of the toolkit itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import vit_ref
+from shardkit.mesh import Plan
+from shardkit.models.vit import ShardedViT
+from shardkit.run.bench import matmul_peak, model_flops
+
+# Peak dense bfloat16 FLOP/s per chip (vendor figures), by ``jax.devices()[0].device_kind``.
+PEAK_FLOPS = {
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,  # v5e
+    "TPU v5e": 197e12,
+    "TPU v5": 459e12,  # v5p
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,  # v6e
+}
+MODELS = ("vit_ref", "shardkit")
+
+
+@dataclasses.dataclass
+class Row:
+    """One (model, batch, remat) measurement; ``error`` is set where it did not compile or run."""
+
+    model: str
+    batch: int
+    remat: str
+    step_s: float | None = None
+    images_per_s: float | None = None
+    mfu: float | None = None
+    temp_bytes: int | None = None
+    peak_bytes: int | None = None
+    compile_s: float | None = None
+    error: str | None = None
+
+
+def chip_peak() -> tuple[str, float, str]:
+    """(device kind, peak FLOP/s, where the figure comes from)."""
+    kind = jax.devices()[0].device_kind
+    if kind in PEAK_FLOPS:
+        return kind, PEAK_FLOPS[kind], "vendor bf16 peak"
+    return kind, matmul_peak(), "float32 matmul measured in this run"
+
+
+def _inputs(cfg: vit_ref.ViTConfig, batch: int) -> tuple[jax.Array, jax.Array]:
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(batch, cfg.image, cfg.image, cfg.channels)).astype(np.float32)
+    return jnp.asarray(images), jnp.asarray(rng.integers(0, cfg.classes, batch), jnp.int32)
+
+
+def _step_and_args(
+    who: str, cfg: vit_ref.ViTConfig, batch: int, remat: str
+) -> tuple[Any, tuple[Any, ...]]:
+    """(jitted step, its arguments on the device) for ``who`` in ``MODELS``."""
+    params = vit_ref.init(jax.random.key(0), cfg)
+    optimizer = vit_ref.make_optimizer()
+    images, labels = _inputs(cfg, batch)
+    if who == "vit_ref":
+        state = jax.jit(optimizer.init)(params)
+        return vit_ref.make_train_step(cfg, optimizer, remat), (params, state, images, labels)
+    model = ShardedViT(cfg, Plan({"data": 1}, remat=remat))
+    placed = model.shard(params)
+    state = model.init_opt_state(optimizer, placed)
+    return model.train_step(optimizer), (placed, state, *model.shard_batch(images, labels))
+
+
+def time_step(
+    step: Any, args: tuple[Any, ...], steps: int, warmup: int
+) -> tuple[float, int, int, list[float]]:
+    """(compile seconds, temp bytes, peak bytes, step times) of a jitted, donating
+    ``step(params, state, *data) -> (params, state, metrics)`` compiled ahead of time."""
+    t0 = time.perf_counter()
+    compiled = step.lower(*args).compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+            - mem.alias_size_in_bytes)  # fmt: skip
+    params, state, *data = args
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        params, state, metrics = compiled(params, state, *data)
+        jax.block_until_ready(metrics)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return compile_s, mem.temp_size_in_bytes, peak, times
+
+
+def measure(
+    who: str, cfg: vit_ref.ViTConfig, batch: int, remat: str, steps: int, warmup: int, peak: float
+) -> Row:
+    """One row: compile, memory, timed steps (the module docstring says how)."""
+    row = Row(who, batch, remat)
+    try:
+        step, args = _step_and_args(who, cfg, batch, remat)
+        row.compile_s, row.temp_bytes, row.peak_bytes, times = time_step(step, args, steps, warmup)
+    except (jax.errors.JaxRuntimeError, RuntimeError, MemoryError) as err:  # e.g. out of memory
+        row.error = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        return row
+    row.step_s = statistics.median(times)
+    row.images_per_s = batch / row.step_s
+    row.mfu = model_flops(cfg, batch) / row.step_s / peak
+    return row
+
+
+def run(
+    cfg: vit_ref.ViTConfig,
+    batches: Sequence[int],
+    remats: Sequence[str],
+    models: Sequence[str] = MODELS,
+    steps: int = 10,
+    warmup: int = 2,
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """Every (batch, remat, model) row; ``{"rows": [...], ...}`` (``bench --chip --json``)."""
+    kind, peak, source = chip_peak()
+    rows = []
+    for batch in batches:
+        for remat in remats:
+            for who in models:
+                progress(f"{who} batch {batch} remat={remat}")
+                rows.append(measure(who, cfg, batch, remat, steps, warmup, peak))
+    return {
+        "model": dataclasses.asdict(cfg),
+        "device_kind": kind,
+        "peak_flops_per_s": peak,
+        "peak_source": source,
+        "steps": steps,
+        "warmup": warmup,
+        "rows": [dataclasses.asdict(r) for r in rows],
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The rows as a table: img/s, MFU, step ms, temp and peak GB, compile s."""
+    head = f"{'model':<9}{'batch':>6} {'remat':<6}{'img/s':>9}{'MFU':>8}{'ms':>9}"
+    head += f"{'temp GB':>9}{'peak GB':>9}{'compile s':>11}"
+    lines = [f"{result['device_kind']}: peak {result['peak_flops_per_s'] / 1e12:.0f} TFLOP/s "
+             f"({result['peak_source']})", head]  # fmt: skip
+    for r in result["rows"]:
+        start = f"{r['model']:<9}{r['batch']:>6} {r['remat']:<6}"
+        if r["error"]:
+            lines.append(start + f"  failed: {r['error']}")
+            continue
+        lines.append(
+            start + f"{r['images_per_s']:>9.1f}{r['mfu']:>8.1%}{r['step_s'] * 1e3:>9.2f}"
+            f"{r['temp_bytes'] / 1e9:>9.2f}{r['peak_bytes'] / 1e9:>9.2f}{r['compile_s']:>11.1f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Images per second and temp memory against batch, one line per (model, remat)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_speed, ax_mem) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
+    series: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in result["rows"]:
+        series.setdefault((r["model"], r["remat"]), []).append(r)
+    for (model, remat), rows in series.items():
+        ok = [r for r in rows if not r["error"]]
+        label = f"{model}, remat={remat}"
+        ax_speed.plot([r["batch"] for r in ok], [r["images_per_s"] for r in ok], "o-", label=label)
+        ax_mem.plot([r["batch"] for r in ok], [r["temp_bytes"] / 1e9 for r in ok], "o-",
+                    label=label)  # fmt: skip
+    ax_speed.set(xlabel="batch", ylabel="images / s", xscale="log", title="throughput")
+    ax_mem.set(xlabel="batch", ylabel="temp GB", xscale="log", title="temp memory per device")
+    for ax in (ax_speed, ax_mem):
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{result['device_kind']}: one device's train step")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
