@@ -4,6 +4,7 @@ Each variant is vit_ref's forward with some choices changed, timed like ``bench 
 (AdamW, params and state donated, median of 10 steps):
 
   loop       the blocks as a Python loop (XLA sees every layer) instead of ``lax.scan``
+  unroll     ``lax.scan(..., unroll=depth)``: one straight-line body, params still stacked
   remat      none | dots | full (``vit_ref.REMAT``), per block
   residual   float32 | bfloat16: the dtype of the residual stream between blocks
   scores     float32 | bfloat16: attention logits and softmax
@@ -58,7 +59,8 @@ def loss_fn(params, images, labels, cfg, opts):
         for i in range(cfg.depth):
             x = run(x, jax.tree.map(lambda a, i=i: a[i], params["blocks"]))
     else:
-        x, _ = jax.lax.scan(lambda x, p: (run(x, p), None), x, params["blocks"])
+        unroll = cfg.depth if "unroll" in opts else 1
+        x, _ = jax.lax.scan(lambda x, p: (run(x, p), None), x, params["blocks"], unroll=unroll)
     x = ref.pool(ref.layer_norm(x, params["encoder_norm"]), cfg)
     logits = ref.dense(x, params["head"], "bd,do->bo", dtype).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
