@@ -152,7 +152,7 @@ def single_device_contender(cfg: vit_ref.ViTConfig, params: Any, batch: Any) -> 
     state = jax.jit(optimizer.init)(placed)
     data = tuple(jax.device_put(a, device) for a in batch)
     step, seconds, program = _compiled(
-        vit_ref.make_train_step(cfg, optimizer), placed, state, *data
+        vit_ref.make_train_step(cfg, optimizer, remat="none"), placed, state, *data
     )
     return Contender(step, placed, state, data, seconds, program)
 

@@ -156,12 +156,12 @@ def run(
 
 def format_table(result: dict[str, Any]) -> str:
     """The rows as a table: img/s, MFU, step ms, temp and peak GB, compile s."""
-    head = f"{'model':<9}{'batch':>6} {'remat':<6}{'img/s':>9}{'MFU':>8}{'ms':>9}"
+    head = f"{'model':<18}{'batch':>6} {'remat':<6}{'img/s':>9}{'MFU':>8}{'ms':>9}"
     head += f"{'temp GB':>9}{'peak GB':>9}{'compile s':>11}"
     lines = [f"{result['device_kind']}: peak {result['peak_flops_per_s'] / 1e12:.0f} TFLOP/s "
              f"({result['peak_source']})", head]  # fmt: skip
     for r in result["rows"]:
-        start = f"{r['model']:<9}{r['batch']:>6} {r['remat']:<6}"
+        start = f"{r['model']:<18}{r['batch']:>6} {r['remat']:<6}"
         if r["error"]:
             lines.append(start + f"  failed: {r['error']}")
             continue
