@@ -614,6 +614,24 @@ def test_layout_errors_name_the_problem() -> None:
         layouts.positions("zigzag", 2, 3)
 
 
+@given(tokens=st.integers(1, 40), n=st.integers(1, 8), layout=st.sampled_from(LAYOUTS))
+@example(tokens=30, n=4, layout="contiguous")  # issue 31: 28 of 30 tokens came back, silently
+@example(tokens=30, n=4, layout="striped")
+def test_a_layout_keeps_every_token_or_refuses(tokens: int, n: int, layout: str) -> None:
+    """Every token comes back exactly, or one sentence says which multiple to pad to."""
+    x = jnp.arange(tokens, dtype=jnp.float32)[None, :, None]
+    if tokens % layouts.multiple(layout, n):
+        with pytest.raises(PlanError, match=f"{tokens} tokens do not split over {n} devices"):
+            to_layout(x, n, layout)
+        with pytest.raises(PlanError, match="pad the sequence to a multiple of"):
+            from_layout(x, n, layout)
+        return
+    y = to_layout(x, n, layout)
+    assert y.shape == x.shape
+    np.testing.assert_array_equal(np.sort(np.asarray(y[0, :, 0])), np.arange(tokens))
+    np.testing.assert_array_equal(from_layout(y, n, layout), x)
+
+
 def test_zigzag_balances_causal_work() -> None:
     """Visible (query, key) pairs per device under a causal mask: contiguous is n:1 unbalanced
     between the last and the first device; zigzag is exactly even."""

@@ -58,14 +58,27 @@ def multiple(layout: str, n: int) -> int:
 def to_layout(x: Array, n: int, layout: str, axis: int = 1) -> Array:
     """Reorders the tokens of global ``x`` (along ``axis``) into ``layout`` over n devices.
 
-    ``x.shape[axis]`` must divide by ``multiple(layout, n)``. The contiguous split of the result
-    over n devices holds, on device j, the tokens at ``positions(layout, n, t)[j]``.
+    ``x.shape[axis]`` must divide by ``multiple(layout, n)`` (PlanError otherwise: no token is
+    ever dropped). The contiguous split of the result over n devices holds, on device j, the
+    tokens at ``positions(layout, n, t)[j]``.
     """
-    order = positions(layout, n, x.shape[axis] // n).reshape(-1)
+    order = positions(layout, n, _per_device(x.shape[axis], n, layout)).reshape(-1)
     return jnp.take(x, jnp.asarray(order), axis=axis)
 
 
 def from_layout(x: Array, n: int, layout: str, axis: int = 1) -> Array:
     """The inverse of ``to_layout``: tokens back in sequence order (an exact permutation)."""
-    order = positions(layout, n, x.shape[axis] // n).reshape(-1)
+    order = positions(layout, n, _per_device(x.shape[axis], n, layout)).reshape(-1)
     return jnp.take(x, jnp.asarray(np.argsort(order)), axis=axis)
+
+
+def _per_device(tokens: int, n: int, layout: str) -> int:
+    """Tokens per device; PlanError naming the fix if ``tokens`` does not fit the layout."""
+    if layout not in LAYOUTS:
+        check_layout(layout, n, 0)
+    if tokens % multiple(layout, n):
+        raise PlanError(
+            f"{tokens} tokens do not split over {n} devices in the {layout} layout; pad the "
+            f"sequence to a multiple of {multiple(layout, n)} first (sequence.pad_tokens)."
+        )
+    return tokens // n
