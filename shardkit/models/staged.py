@@ -18,7 +18,7 @@ Placement: device s of the stage axis holds chunks s, s+S, ... (``pipeline.layer
 (gradients) back to your order. The batch inputs are ``(inputs, targets)``, each split into M
 microbatches of the data-local batch. Sharding signature, per device of (data, stage):
 
-  params[layers][L_stage, ...] · inputs[B_data, ...] · targets[B_data, ...]
+  the layers[L_stage, ...] · inputs[B_data, ...] · targets[B_data, ...]
     -> loss (invariant), grads like params (layers split over stage, ends whole)
 
 Composes with data parallelism, FSDP / ZeRO-1 (every split leaf gathered once per step before
