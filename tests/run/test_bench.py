@@ -103,3 +103,33 @@ def test_bad_input_is_one_line_exit_2(flags, message, capsys) -> None:
     assert cli.main(["bench", *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_chip_bench_reports_both_models_per_batch_and_policy(capsys) -> None:
+    """``bench --chip`` on whatever device 0 is: a row per (batch, remat, model), with
+    throughput, MFU and memory from the compiled step."""
+    flags = ["--image", "16", "--patch", "8", "--dim", "32", "--depth", "1", "--heads", "2",
+             "--mlp-dim", "64", "--classes", "5", "--steps", "1", "--warmup", "0"]  # fmt: skip
+    assert cli.main(["bench", "--chip", *flags, "--batches", "2,4", "--remats", "none,dots",
+                     "--json"]) == 0  # fmt: skip
+    result = json.loads(capsys.readouterr().out)
+    rows = result["rows"]
+    assert [(r["batch"], r["remat"], r["model"]) for r in rows] == [
+        (b, p, m) for b in (2, 4) for p in ("none", "dots") for m in ("vit_ref", "shardkit")
+    ]
+    for r in rows:
+        assert r["error"] is None and r["images_per_s"] > 0 and r["temp_bytes"] > 0
+        assert r["mfu"] > 0 and r["peak_bytes"] >= r["temp_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--remats", "some"], "--remats takes policies of none, dots, full"),
+        (["--batches", "0"], "--batches takes positive integers"),
+        (["--mesh", "data=2"], "--chip runs one device"),
+    ],
+)
+def test_chip_bench_refuses_bad_flags(flags, message, capsys) -> None:
+    assert cli.main(["bench", "--chip", *flags]) == 2
+    assert message in capsys.readouterr().err
