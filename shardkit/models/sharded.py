@@ -258,7 +258,7 @@ class ShardedModel:
         if zero not in (1, 2, 3):
             raise PlanError(f"zero must be 1, 2 or 3 (the ZeRO level), got {zero!r}.")
         self.mesh, self.param_axes = mesh, param_axes
-        self.loss_local: LossLocal = loss_local or _no_loss_local
+        self.loss_local = loss_local  # None for a pipelined model: its stages compute it
         self.rules = mesh_rules(rules, mesh)
         self.batch_axes = tuple(a for a in batch_axes if mesh.shape[a] > 1)
         # The optimizer state (and the synced gradients) are split as the rules say; the params
@@ -365,6 +365,7 @@ class ShardedModel:
         """``loss_local`` on params whose FSDP-split leaves are whole (if ``gather``)."""
         if self.gather and self.batch_axes:
             params = dp.fsdp_gather(params, self.gather_dims(), self.batch_axes[0])
+        assert self.loss_local is not None, "a pipelined model's loss runs in staged.grads_local"
         return self.loss_local(params, *batch)
 
     def zero2_loss_local(self, frags: PyTree, params: PyTree, *batch: Array) -> Array:
@@ -505,11 +506,6 @@ class ShardedModel:
             )
 
         return jax.jit(step, donate_argnums=(0, 1))
-
-
-def _no_loss_local(*_args: Any) -> Array:
-    """The ``loss_local`` of a pipelined model, whose stages compute the loss instead."""
-    raise NotImplementedError("A pipelined ShardedModel computes its loss in its stages.")
 
 
 def _without(specs: PyTree, axes: Axes) -> PyTree:

@@ -155,7 +155,7 @@ def expected(
         CPU pipeline's and may differ where another backend combines collectives differently).
       stage: under a pipeline, the stage whose device the terms describe (default: the last,
         which also pools); stages differ only there.
-      split: the token split of a model built on (cfg, plan) (``ShardedViT.split``): its plan
+      split: the token split of a model built on (cfg, plan) (``ShardedViT.layout.split``): its plan
         was checked when it was built, so only the batch is checked here.
 
     Returns:

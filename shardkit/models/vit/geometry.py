@@ -96,7 +96,7 @@ def geometry(
 ) -> Geometry:
     """The per-device sizes of (cfg, plan, batch); PlanError if the plan cannot run ``cfg``.
 
-    ``split``: the token split of a model already built on (cfg, plan) (``ShardedViT.split``,
+    ``split``: the token split of a model already built on (cfg, plan) (``ShardedViT.layout.split``,
     made once its plan was checked): then only the batch is checked here.
     """
     if split is None:

@@ -343,7 +343,6 @@ class ShardedViT(sharded.ShardedModel):
     def __init__(self, cfg: vit_ref.ViTConfig, plan: Plan, devices: Any = None) -> None:
         self.cfg, self.plan = cfg, plan
         self.layout = make_layout(cfg, plan, devices)
-        self.split = self.layout.split
         # Size-1 axes split nothing and appear in no spec (so no value is typed varying on them).
         self.batch_spec = P("data") if plan.size("data") > 1 else P()
         super().__init__(

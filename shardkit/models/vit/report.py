@@ -103,7 +103,7 @@ def model_report(
     the clipped step ``shardkit train`` runs)."""
     ledger = measure_step(model, batch, optimizer, clip_norm)
     clip = clip_norm is not None
-    return report_of(ledger, model.cfg, model.plan, batch, clip=clip, split=model.split)
+    return report_of(ledger, model.cfg, model.plan, batch, clip=clip, split=model.layout.split)
 
 
 def report_of(
@@ -193,4 +193,6 @@ def model_inspect(
     ledger = measure_step(model, batch)
     if hlo_path is not None:
         pathlib.Path(hlo_path).write_text(ledger.hlo)
-    return report_of(ledger, model.cfg, model.plan, batch, platform=platform, split=model.split)
+    return report_of(
+        ledger, model.cfg, model.plan, batch, platform=platform, split=model.layout.split
+    )
