@@ -309,30 +309,41 @@ ZERO_N = 4
 ZERO_DIMS = {"kernel": 0, "scale": None, "bias": 0}
 
 
-def zero1_specs(optimizer: optax.GradientTransformation, params: dict) -> Any:
-    """Optimizer-state specs: param-shaped leaves split like ZERO_DIMS, the rest replicated."""
+# Every split leaf on dim 0 would let a reduce-scatter that ignores the split dim pass: the
+# second case splits the kernel [D, F] along F (dim 1).
+ZERO_DIMS_CASES = [ZERO_DIMS, {"kernel": 1, "scale": None, "bias": 0}]
+
+
+def split_spec(dim: int | None) -> P:
+    """The spec of a leaf split over data along ``dim`` (None: replicated)."""
+    return P() if dim is None else P(*([None] * dim), "data")
+
+
+def zero1_specs(optimizer: optax.GradientTransformation, params: dict, dims: dict) -> Any:
+    """Optimizer-state specs: param-shaped leaves split like ``dims``, the rest replicated."""
     return optax.tree_map_params(
         optimizer,
-        lambda _, dim: P("data") if dim == 0 else P(),
+        lambda _, dim: split_spec(dim),
         optimizer.init(params),
-        ZERO_DIMS,
+        dims,
         transform_non_params=lambda _: P(),
         is_leaf=lambda x: x is None,
     )
 
 
-def test_zero1_step_equals_the_unsharded_adamw_step() -> None:
+@pytest.mark.parametrize("zero_dims", ZERO_DIMS_CASES, ids=lambda d: f"kernel-dim{d['kernel']}")
+def test_zero1_step_equals_the_unsharded_adamw_step(zero_dims: dict) -> None:
     """One ZeRO-1 AdamW step: reduce-scatter the gradient, update a 1/n slice, all-gather."""
     params, x = fsdp_inputs()
     optimizer = optax.adamw(1e-2, weight_decay=1e-2)
     mesh = mesh_of(ZERO_N)
-    state_specs = zero1_specs(optimizer, params)
+    state_specs = zero1_specs(optimizer, params, zero_dims)
     batch = x.shape[0]
 
     def body(params: dict, state_frag: Any, x_block: jax.Array) -> tuple[dict, Any]:
         axes = {name: ("data",) for name in params}
         grads = jax.grad(linear_loss)(dp.vary(params, axes), x_block, batch)  # dw{U_data}
-        return dp.zero1_update(optimizer, grads, state_frag, params, ZERO_DIMS)
+        return dp.zero1_update(optimizer, grads, state_frag, params, zero_dims)
 
     step = jax.jit(
         jax.shard_map(
@@ -355,17 +366,52 @@ def test_zero1_step_equals_the_unsharded_adamw_step() -> None:
     assert_trees_close(new_params, want_params, TOL)
     assert_trees_close(new_state, want_state, TOL)
     adam = new_state[0]
-    for name, dim in ZERO_DIMS.items():  # each device holds 1/n of the split moments
+    for name, dim in zero_dims.items():  # each device holds 1/n of the split moments
         for moment in (adam.mu[name], adam.nu[name]):
             shapes = {s.data.shape for s in moment.addressable_shards}
-            full = params[name].shape
-            split = full if dim is None else (full[0] // ZERO_N, *full[1:])
-            assert shapes == {split}, name
+            split = list(params[name].shape)
+            if dim is not None:
+                split[dim] //= ZERO_N
+            assert shapes == {tuple(split)}, name
     # Same bytes as one all-reduce of the split leaves: a reduce-scatter plus an all-gather.
     split_bytes = params["kernel"].nbytes + params["bias"].nbytes
     one_way = (ZERO_N - 1) / ZERO_N * split_bytes
     for kind in ("reduce-scatter", "all-gather"):
         assert bytes_sent(step, params, state, x, kind=kind, mesh=mesh) == pytest.approx(one_way)
+
+
+SCATTER_SHAPES = {"a": (8, 4), "b": (3, 8, 4), "c": (4, 2, 8), "d": (5,)}
+
+
+@pytest.mark.parametrize(
+    "dims",
+    [
+        {"a": 0, "b": 1, "c": 2, "d": None},
+        {"a": 1, "b": 2, "c": 0, "d": None},
+        {"a": 1, "b": None, "c": 2, "d": None},
+    ],
+    ids=str,
+)
+def test_zero_scatter_sums_each_leaf_and_splits_it_along_its_own_dim(dims: dict) -> None:
+    """Device k keeps block k along each leaf's split dim of the sum over devices (leaves
+    split along dims 1 and 2 included); unsplit leaves come back as the device's own value."""
+    rng = np.random.default_rng(3)  # small integers: every sum is exact
+    per_device = {
+        k: rng.integers(-8, 8, (ZERO_N, *shape)).astype(np.float32)
+        for k, shape in SCATTER_SHAPES.items()
+    }
+
+    def body(blocks: dict) -> dict:
+        grads = {k: b[0] for k, b in blocks.items()}  # this device's summand
+        out = dp.zero_scatter(grads, dims)
+        return {k: v if dims[k] is not None else v[None] for k, v in out.items()}
+
+    out_specs = {k: split_spec(d) if d is not None else P("data") for k, d in dims.items()}
+    fn = jax.shard_map(body, mesh=mesh_of(ZERO_N), in_specs=(P("data"),), out_specs=out_specs)
+    got = jax.jit(fn)(per_device)
+    for k, d in dims.items():
+        want = per_device[k] if d is None else per_device[k].sum(axis=0)
+        np.testing.assert_array_equal(got[k], want, err_msg=k)
 
 
 ZERO2_LAYERS = {  # two stacked layers of h -> tanh(h @ kernel + bias) * scale
