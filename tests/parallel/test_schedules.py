@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardkit.mesh import PlanError
 from shardkit.parallel.pipeline import schedules as sc
+from shardkit.parallel.pipeline.tables import tables
 
 # Pure Python and fast: many more examples than the ci profile's default.
 MANY = settings(max_examples=200)
@@ -86,18 +88,57 @@ def test_zero_bubble_idles_less_than_one_f_one_b_on_the_same_time_scale(stages, 
     assert zb.bubble() < float(ofob_idle) == pytest.approx(ofob.bubble())
 
 
+def warmup_forwards(schedule) -> list[int]:
+    """Per stage, the forwards that run before its first backward, from the grid."""
+    out = []
+    for stage in range(schedule.stages):
+        kinds = [row[stage].kind for row in schedule.grid if row[stage] is not None]
+        out.append(kinds.index("B"))
+    return out
+
+
 @MANY
-@given(st.integers(1, 8), st.integers(1, 16))
-def test_in_flight_microbatches(stages, micro):
-    """1F1B holds min(S−s, M) on stage s; GPipe holds all M; ZB-H1 never more than 1F1B's S."""
-    ofob, gp = sc.one_f_one_b(stages, micro), sc.gpipe(stages, micro)
-    assert [ofob.in_flight(s) for s in range(stages)] == [
-        min(stages - s, micro) for s in range(stages)
-    ]
-    assert [gp.in_flight(s) for s in range(stages)] == [micro] * stages
-    if micro >= stages:
-        zb = sc.zero_bubble(stages, micro)
-        assert max(zb.in_flight(s) for s in range(stages)) <= stages
+@given(schedules())
+def test_warm_up_and_in_flight_are_the_papers_numbers(schedule):
+    """Exact per stage s, independent of the builders (M ≥ S for ZB-H1):
+    GPipe all M forwards, in flight M; 1F1B S−s forwards, in flight min(S−s, M);
+    interleaved Megatron's 2(S−s−1) + (V−1)·S warm-up forwards plus the first steady-state
+    one (capped at V·M), all in flight; ZB-H1 1F1B's forwards, S in flight on every stage
+    (the W it defers keeps later stages at the first stage's peak, never above)."""
+    s_, m, v = schedule.stages, schedule.micro, schedule.virtual
+    stages = range(s_)
+    warm = {
+        "gpipe": [m] * s_,
+        "1f1b": [min(s_ - s, m) for s in stages],
+        "zb": [min(s_ - s, m) for s in stages],
+        "interleaved": [min(2 * (s_ - s - 1) + (v - 1) * s_ + 1, v * m) for s in stages],
+    }[schedule.name]
+    peak = {"zb": [s_] * s_}.get(schedule.name, warm)
+    assert warmup_forwards(schedule) == warm
+    assert [schedule.in_flight(s) for s in stages] == peak
+
+
+@MANY
+@given(schedules())
+def test_engine_sends_counted_from_the_grid(schedule):
+    """The permutes the engine runs (and the cost model charges), from the grid alone: an
+    activation leaves at every F of a chunk but the last, a cotangent at every B of a chunk
+    but the first (never at a W); between the first cotangent and the last activation every
+    tick sends both ways (one scanned segment). ``Tables.sent`` must agree."""
+    s_, last = schedule.stages, schedule.chunks - 1
+    x_ticks, dy_ticks = set(), set()
+    for tick, row in enumerate(schedule.grid):
+        for stage, a in enumerate(row):
+            chunk = None if a is None else a.virtual * s_ + stage
+            if a is not None and a.kind == "F" and chunk < last:
+                x_ticks.add(tick)
+            if a is not None and a.kind == "B" and chunk > 0:
+                dy_ticks.add(tick)
+    steady = set(range(min(dy_ticks), max(x_ticks) + 1)) if x_ticks and dy_ticks else set()
+    tab = tables(schedule)
+    assert tab.sent() == (len(x_ticks | steady), len(dy_ticks | steady))
+    assert set(np.flatnonzero(tab.sends_x)) == x_ticks
+    assert set(np.flatnonzero(tab.sends_dy)) == dy_ticks
 
 
 def test_the_grid_prints_like_the_papers_figures():
