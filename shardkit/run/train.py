@@ -175,12 +175,12 @@ def compile_steps(
     train = step.lower(params, opt_state, *batch).compile()
     seconds["train_step"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    evaluate = jax.jit(_eval_sums(model)).lower(params, *batch, valid).compile()
+    evaluate = jax.jit(eval_sums(model)).lower(params, *batch, valid).compile()
     seconds["eval_step"] = time.perf_counter() - t0
     return train, evaluate, seconds
 
 
-def _eval_sums(model: ShardedViT) -> Callable[..., tuple[jax.Array, jax.Array]]:
+def eval_sums(model: ShardedViT) -> Callable[..., tuple[jax.Array, jax.Array]]:
     """(params, images, labels, valid) -> (Σ cross-entropy, Σ correct) over the valid rows."""
 
     def sums(params: Any, images: jax.Array, labels: jax.Array, valid: jax.Array):

@@ -4,7 +4,9 @@ bitwise-repeatable runs, the accuracy the defaults reach, and every user error i
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import subprocess
 import sys
 
@@ -19,7 +21,7 @@ from shardkit.mesh import Plan
 from shardkit.models.vit import ShardedViT, report
 from shardkit.run import datasets, train
 from shardkit.run.datasets import Loader
-from shardkit.testing import tree_errors
+from shardkit.testing import parity_precision, tree_errors
 
 # The train defaults on digits: 8×8 grey images in 2×2 patches, 17 tokens.
 CFG = vit_ref.ViTConfig(
@@ -118,6 +120,26 @@ def test_grad_norm_counts_each_shard_once() -> None:
     assert float(metrics["grad_norm"]) == pytest.approx(want, rel=1e-5)
 
 
+def test_eval_covers_the_whole_split_and_masks_the_pads() -> None:
+    """The digits test split (359) is no multiple of the batch (16): the last batch is padded,
+    and the pads count nowhere. Labels set to the reference's own predictions make the exact
+    accuracy 1: a mean over the padded count (368) or a counted pad would show."""
+    ds = datasets.load("digits")
+    batch = 16
+    assert len(ds.test_labels) % batch
+    params = vit_ref.init(jax.random.key(3), CFG)
+    with parity_precision():
+        logits = np.asarray(vit_ref.forward(params, ds.test_images, CFG)[0])
+        ds = dataclasses.replace(ds, test_labels=logits.argmax(-1).astype(np.int32))
+        model = ShardedViT(CFG, Plan({"data": 4, "model": 2}))
+        got = train.evaluate(jax.jit(train.eval_sums(model)), model.shard(params), ds, batch, model)
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_p = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    want_loss = -np.take_along_axis(log_p, ds.test_labels[:, None], -1).mean()
+    assert got["test_accuracy"] == 1.0
+    assert got["test_loss"] == pytest.approx(float(want_loss), rel=1e-5)
+
+
 # ----------------------------------------------------------------------------- the command
 
 SHORT = ["--steps", "30", "--eval-every", "10", "--cache", "none"]
@@ -126,6 +148,15 @@ RING = ["--mesh", "data=2,seq=2,model=2", "--sp", "ring"]
 
 def records_of(out) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def closed_form_lr(opts: train.TrainOptions) -> list[float]:
+    """The lr of steps 1..N: linear from 0 over ``warmup`` steps, then cosine to 0 at N."""
+    w, n = opts.warmup, opts.steps
+    return [
+        opts.lr * i / w if i < w else opts.lr * 0.5 * (1 + math.cos(math.pi * (i - w) / (n - w)))
+        for i in range(n)
+    ]
 
 
 def test_train_writes_run_and_repeats_bitwise(tmp_path, capsys) -> None:
@@ -138,7 +169,8 @@ def test_train_writes_run_and_repeats_bitwise(tmp_path, capsys) -> None:
     assert [r["step"] for r in first if "test_accuracy" in r] == [10, 20, 30]
     assert set(first[0]) == {"step", "epoch", "loss", "lr", "grad_norm", "images_per_s"}
     assert 0 <= first[-1]["test_accuracy"] <= 1 and first[-1]["test_loss"] > 0
-    assert first[0]["lr"] == 0.0 and first[2]["lr"] > first[1]["lr"] > 0
+    want_lr = closed_form_lr(train.TrainOptions(steps=30))  # float32 cos near π: rel 5e-6
+    assert [r["lr"] for r in first] == pytest.approx(want_lr, rel=1e-5, abs=1e-9)
     for a, b in zip(first, second, strict=True):  # everything but timing, bit for bit
         assert {k: v for k, v in a.items() if k not in train.TIMING_KEYS} == {
             k: v for k, v in b.items() if k not in train.TIMING_KEYS
