@@ -1,14 +1,20 @@
-"""A causal character-level GPT built only from shardkit primitives, on data × seq × model.
+"""A causal character-level decoder, Llama style, built only from shardkit primitives, on
+data × seq × model.
 
-Token embedding tied to the output head, learned positions, pre-LN causal blocks with
-grouped-query attention (``tensor.attention_tp`` around ``sequence.attention_ring``, causal,
-zigzag layout over ``seq``; or ``attention_ulysses``, any layout) and a GELU MLP
-(``tensor.mlp_tp``), on ``shardkit.ShardedModel``. Verified against its unsharded twin
+RMSNorm, rotary embeddings at each token's global position (``lm.rope`` and
+``layouts.local_positions``), grouped-query attention (``tensor.attention_tp`` around
+``sequence.attention_ring``, causal, zigzag layout over ``seq``; or ``attention_ulysses``, any
+layout; KV weights whole and ``kv_repeat`` when ``model`` outnumbers the KV heads), a SwiGLU
+MLP (``tensor.gated_mlp_tp``), no biases, and the vocabulary split over ``model`` in the
+embedding and the untied head (``lm.vocab_embed``, ``lm.vocab_cross_entropy``: the logits are
+never gathered), on ``shardkit.ShardedModel``. Verified against its unsharded twin
 (``testing.compare_sharded``: loss, every gradient leaf, one AdamW step), then trained on the
 Zen of Python (it ships with Python: ``this.s``), and sampled from:
 
     python examples/gpt.py [--mesh data=2,seq=2,model=2] [--layout zigzag] [--core ring]
-                           [--fsdp] [--steps 300]
+                           [--fsdp] [--steps 300] [--verify-plans]
+
+``--verify-plans`` checks the five plans of docs/llama.md instead of training.
 """
 
 import argparse
@@ -26,79 +32,83 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from shardkit import ShardedModel, sequence, tensor, testing  # noqa: E402
+from shardkit import ShardedModel, lm, sequence, tensor, testing  # noqa: E402
 from shardkit.parallel.sequence import layouts  # noqa: E402
 
 with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints the Zen
     import this
 TEXT = codecs.decode(this.s, "rot13")
-VOCAB = sorted(set(TEXT))
-DIMS = {"dim": 64, "heads": 4, "kv_heads": 2, "mlp": 128, "layers": 2, "tokens": 64}
+CHARS = sorted(set(TEXT))
+VOCAB = -(-len(CHARS) // 8) * 8  # padded so it splits over up to 8 model devices
+DIMS = {"dim": 64, "heads": 8, "kv_heads": 2, "mlp": 128, "layers": 2, "tokens": 64}
 
 
-def param_axes(layers):
-    dense = lambda i, o: {"kernel": (i, o), "bias": (o,)}  # noqa: E731
-    proj = lambda h: {"kernel": ("embed", h, "head_dim"), "bias": (h, "head_dim")}  # noqa: E731
-    block = {"ln1": ("embed",), "ln2": ("embed",),
-             "attn": {"query": proj("heads"), "key": proj("kv_heads"), "value": proj("kv_heads"),
-                      "out": {"kernel": ("heads", "head_dim", "embed"), "bias": ("embed",)}},
-             "mlp": {"fc1": dense("embed", "mlp"), "fc2": dense("mlp", "embed")}}  # fmt: skip
+# --8<-- [start:axes]
+def param_axes():
+    w = lambda *names: {"kernel": names}  # noqa: E731  (no biases)
+    block = {"norm1": ("embed",), "norm2": ("embed",),
+             "attn": {"query": w("embed", "heads", "head_dim"),
+                      "key": w("embed", "kv_heads", "head_dim"),
+                      "value": w("embed", "kv_heads", "head_dim"),
+                      "out": w("heads", "head_dim", "embed")},
+             "mlp": {"gate": w("embed", "mlp"), "up": w("embed", "mlp"),
+                     "down": w("mlp", "embed")}}  # fmt: skip
     stacked = jax.tree.map(lambda n: ("layers", *n), block, is_leaf=lambda x: isinstance(x, tuple))
-    return {"embed": ("vocab", "embed"), "pos": ("tokens", "embed"), "blocks": stacked,
-            "ln_f": ("embed",)}  # fmt: skip
+    return {"embed": ("vocab", "embed"), "head": ("embed", "vocab"), "blocks": stacked,
+            "norm": ("embed",)}  # fmt: skip
 
 
-RULES = {"heads": "model", "kv_heads": "model", "mlp": "model"}
+def rules(n_model, kv_heads, fsdp):
+    """Heads, MLP and vocabulary over model; KV heads too unless model outnumbers them
+    (then they stay whole and ``kv_repeat`` picks each device's one); ``fsdp``: embed over data."""
+    out = {"heads": "model", "mlp": "model", "vocab": "model"}
+    if n_model <= kv_heads:
+        out["kv_heads"] = "model"
+    return {**out, "embed": "data"} if fsdp else out
+
+
+# --8<-- [end:axes]
 
 
 def init(seed, d):
-    sizes = {"vocab": len(VOCAB), "embed": d["dim"], "heads": d["heads"], "mlp": d["mlp"],
+    sizes = {"vocab": VOCAB, "embed": d["dim"], "heads": d["heads"], "mlp": d["mlp"],
              "kv_heads": d["kv_heads"], "head_dim": d["dim"] // d["heads"],
-             "layers": d["layers"], "tokens": d["tokens"]}  # fmt: skip
-    names, tree = jax.tree.flatten(param_axes(d["layers"]), is_leaf=lambda x: isinstance(x, tuple))
+             "layers": d["layers"]}  # fmt: skip
+    names, tree = jax.tree.flatten(param_axes(), is_leaf=lambda x: isinstance(x, tuple))
     keys = jax.random.split(jax.random.key(seed), len(names))
 
     def leaf(key, ns):
         dims = [n for n in ns if n != "layers"]
         noise = jax.random.normal(key, [sizes[n] for n in ns])
-        return noise / np.sqrt(sizes[dims[0]]) if len(dims) > 1 else 0.1 * noise
+        return noise / np.sqrt(sizes[dims[0]]) if len(dims) > 1 else 1.0 + 0.1 * noise
 
-    p = jax.tree.unflatten(tree, [leaf(k, ns) for k, ns in zip(keys, names, strict=True)])
-    for name in ("ln1", "ln2"):
-        p["blocks"][name] = p["blocks"][name] + 1.0
-    p["ln_f"] = p["ln_f"] + 1.0
-    return p
-
-
-def norm(x, scale):
-    x = x - x.mean(-1, keepdims=True)
-    return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6) * scale
-
-
-def logits_of(p, h):
-    return norm(h, p["ln_f"]) @ p["embed"].T  # head tied to the token embedding
+    return jax.tree.unflatten(tree, [leaf(k, ns) for k, ns in zip(keys, names, strict=True)])
 
 
 # --8<-- [start:twin]
 def twin_logits(p, x):
-    """The unsharded GPT in plain jnp: x[B, T] token ids -> logits[B, T, V]."""
+    """The unsharded decoder in plain jnp: x[B, T] token ids -> logits[B, T, V]."""
+    pos = jnp.arange(x.shape[1])
 
     def attention(h, a):
-        q, k, v = (jnp.einsum("btd,dhk->bthk", h, a[n]["kernel"]) + a[n]["bias"]
-                   for n in ("query", "key", "value"))  # fmt: skip
+        q, k, v = (
+            jnp.einsum("btd,dhk->bthk", h, a[n]["kernel"]) for n in ("query", "key", "value")
+        )
+        q, k = lm.apply_rope(q, pos), lm.apply_rope(k, pos)
         k, v = (jnp.repeat(z, q.shape[2] // z.shape[2], axis=2) for z in (k, v))  # GQA
         s = jnp.einsum("bthk,bshk->bhts", q, k) / np.sqrt(q.shape[-1])
         s = jnp.where(jnp.tril(jnp.ones((x.shape[1],) * 2, bool)), s, -jnp.inf)
         w = jax.nn.softmax(s, axis=-1)
-        return jnp.einsum("bhts,bshk,hkd->btd", w, v, a["out"]["kernel"]) + a["out"]["bias"]
+        return jnp.einsum("bhts,bshk,hkd->btd", w, v, a["out"]["kernel"])
 
     def block(h, b):
-        h = h + attention(norm(h, b["ln1"]), b["attn"])
-        z = jax.nn.gelu(norm(h, b["ln2"]) @ b["mlp"]["fc1"]["kernel"] + b["mlp"]["fc1"]["bias"])
-        return h + z @ b["mlp"]["fc2"]["kernel"] + b["mlp"]["fc2"]["bias"], None
+        h = h + attention(lm.rms_norm(h, b["norm1"]), b["attn"])
+        z, m = lm.rms_norm(h, b["norm2"]), b["mlp"]
+        z = jax.nn.silu(z @ m["gate"]["kernel"]) * (z @ m["up"]["kernel"])
+        return h + z @ m["down"]["kernel"], None
 
-    h, _ = jax.lax.scan(block, p["embed"][x] + p["pos"][: x.shape[1]], p["blocks"])
-    return logits_of(p, h)
+    h, _ = jax.lax.scan(block, p["embed"][x], p["blocks"])
+    return lm.rms_norm(h, p["norm"]) @ p["head"]
 
 
 def twin_loss(p, x, y):
@@ -109,39 +119,63 @@ def twin_loss(p, x, y):
 
 
 # --8<-- [start:sharded]
-def sharded_gpt(mesh, layout, core="ring", fsdp=False):
-    """x, y[B_data, T_seq] in ``layout`` order over seq; heads, KV heads, MLP over model;
+def sharded_gpt(mesh, layout, core="ring", fsdp=False, dims=DIMS):
+    """x, y[B_data, T_seq] in ``layout`` order over seq; heads, MLP, vocabulary over model;
     ``fsdp``: every embed dim over data too (``ShardedModel`` gathers before the loss)."""
-    tp = "model" if mesh.shape["model"] > 1 else None
-    n_seq = mesh.shape["seq"]
+    n_model, n_seq = mesh.shape["model"], mesh.shape["seq"]
+    tp, sp = ("model" if n_model > 1 else None), ("seq" if n_seq > 1 else None)
+    kv_repeat = n_model > dims["kv_heads"]
     attend = {"ring": sequence.attention_ring, "ulysses": sequence.attention_ulysses}[core]
 
     def causal_core(q, k, v):  # over seq on local heads; GQA K/V blocks stay h_kv-headed
         return attend(q, k, v, causal=True, layout=layout)[0]
 
     def loss_local(p, x, y):  # this device's share of the mean next-token cross-entropy
-        table = jnp.asarray(layouts.positions(layout, n_seq, x.shape[1]))
-        positions = table[jax.lax.axis_index("seq")] if n_seq > 1 else table[0]
+        rope = lm.rope(layouts.local_positions(layout, sp, x.shape[1]))  # GLOBAL positions
 
         def block(h, b):
-            h = h + tensor.attention_tp(norm(h, b["ln1"]), b["attn"], tp, causal_core)
-            return h + tensor.mlp_tp(norm(h, b["ln2"]), b["mlp"], tp, jax.nn.gelu), None
+            a = tensor.attention_tp(lm.rms_norm(h, b["norm1"]), b["attn"], tp, causal_core,
+                                    rope=rope, kv_repeat=kv_repeat)  # fmt: skip
+            h = h + a
+            return h + tensor.gated_mlp_tp(lm.rms_norm(h, b["norm2"]), b["mlp"], tp), None
 
-        h, _ = jax.lax.scan(block, p["embed"][x] + p["pos"][positions], p["blocks"])
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits_of(p, h), y)
+        h, _ = jax.lax.scan(block, lm.vocab_embed(x, p["embed"], tp), p["blocks"])
+        logits = lm.vocab_logits(lm.rms_norm(h, p["norm"]), p["head"], tp)  # [b, t, V/n]
+        ce = lm.vocab_cross_entropy(logits, y, tp)
         return ce.sum() / (y.size * mesh.shape["data"] * n_seq)
 
-    tokens, rules = P("data", "seq"), {**RULES, "embed": "data"} if fsdp else RULES
-    return ShardedModel(mesh, param_axes(DIMS["layers"]), rules, loss_local,
+    tokens = P("data", "seq")
+    return ShardedModel(mesh, param_axes(), rules(n_model, dims["kv_heads"], fsdp), loss_local,
                         batch_specs=(tokens, tokens), token_axes=("seq",))  # fmt: skip
 
 
 # --8<-- [end:sharded]
 
+# --8<-- [start:plans]
+PLANS = {  # name: (mesh, layout, core, fsdp)
+    "data×model": ("data=2,model=4", "contiguous", "ring", False),
+    "ring, zigzag": ("data=2,seq=4", "zigzag", "ring", False),
+    "Ulysses, KV repeat": ("seq=2,model=4", "striped", "ulysses", False),
+    "FSDP": ("data=4,model=2", "contiguous", "ring", True),
+    "3-D: data×seq×model": ("data=2,seq=2,model=2", "zigzag", "ring", False),
+}
+
+
+def verify(mesh_flag, layout, core, fsdp, params, x, y):
+    """compare_sharded on one plan: the batch in ``layout`` order for the sharded side."""
+    mesh = shardkit.make_mesh(shardkit.parse_mesh(mesh_flag))
+    model = sharded_gpt(mesh, layout, core, fsdp)
+    order = lambda a: layouts.to_layout(a, mesh.shape["seq"], layout)  # noqa: E731
+    return testing.compare_sharded(lambda p, x, y: model.loss_and_grads(p, order(x), order(y)),
+                                   twin_loss, params, x, y, place=model.shard)  # fmt: skip
+
+
+# --8<-- [end:plans]
+
 
 def windows(rng, batch, t):
     """x[B, T] random windows of the text, y the next characters."""
-    ids = np.array([VOCAB.index(c) for c in TEXT], np.int32)
+    ids = np.array([CHARS.index(c) for c in TEXT], np.int32)
     starts = rng.integers(0, len(ids) - t - 1, batch)
     x = np.stack([ids[s : s + t] for s in starts])
     return jnp.asarray(x), jnp.asarray(np.stack([ids[s + 1 : s + t + 1] for s in starts]))
@@ -149,12 +183,12 @@ def windows(rng, batch, t):
 
 def sample(p, prompt, length):
     """Greedy continuation of ``prompt`` with the (unsharded) twin."""
-    ids = [VOCAB.index(c) for c in prompt]
+    ids = [CHARS.index(c) for c in prompt]
     step = jax.jit(lambda p, x: twin_logits(p, x)[0, -1].argmax())
     for _ in range(length):
         window = ids[-DIMS["tokens"] :]
         ids.append(int(step(p, jnp.asarray([window], jnp.int32))))
-    return "".join(VOCAB[i] for i in ids)
+    return "".join(CHARS[i] if i < len(CHARS) else "?" for i in ids)
 
 
 def main() -> None:
@@ -165,22 +199,26 @@ def main() -> None:
     parser.add_argument("--fsdp", action="store_true", help="split every embed dim over data")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--verify-plans", action="store_true", help="verify docs/llama.md's plans")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error(f"--steps must be at least 2, got {args.steps}")
-    mesh = shardkit.make_mesh(shardkit.parse_mesh(args.mesh))
-    model = sharded_gpt(mesh, args.layout, args.core, args.fsdp)
-    n_seq = mesh.shape["seq"]
-    order = lambda *xs: tuple(layouts.to_layout(x, n_seq, args.layout) for x in xs)  # noqa: E731
     params = init(0, DIMS)
     rng = np.random.default_rng(0)
     x, y = windows(rng, args.batch, DIMS["tokens"])
-
-    check = testing.compare_sharded(lambda p, x, y: model.loss_and_grads(p, *order(x, y)),
-                                    twin_loss, params, x, y, place=model.shard)  # fmt: skip
+    if args.verify_plans:
+        for name, plan in PLANS.items():
+            check = verify(*plan, params, x, y)
+            check.assert_ok()
+            print(f"{name:22s} {plan[0]:22s} worst {check.worst[0]} at {check.worst[1]:.1e}")
+        return
+    check = verify(args.mesh, args.layout, args.core, args.fsdp, params, x, y)
     check.assert_ok()
     print(f"sharded == twin: worst {check.worst[0]} at {check.worst[1]:.1e}")
 
+    mesh = shardkit.make_mesh(shardkit.parse_mesh(args.mesh))
+    model = sharded_gpt(mesh, args.layout, args.core, args.fsdp)
+    order = lambda *xs: tuple(layouts.to_layout(a, mesh.shape["seq"], args.layout) for a in xs)  # noqa: E731
     warmup = min(20, args.steps // 2)
     optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0, 1e-2, warmup, args.steps))
     step = model.train_step(optimizer, clip_norm=1.0)
@@ -191,7 +229,7 @@ def main() -> None:
         p, state, metrics = step(p, state, *batch)
         if i == 0 or (i + 1) % 100 == 0 or i + 1 == args.steps:
             print(f"step {i + 1:4d}  loss {float(metrics['loss']):.4f}")
-    print(f"(uniform over {len(VOCAB)} characters: loss {np.log(len(VOCAB)):.4f})")
+    print(f"(uniform over {len(CHARS)} characters: loss {np.log(len(CHARS)):.4f})")
     print("sample:", repr(sample(jax.device_get(p), "Beautiful is", 80)))
 
 

@@ -4,7 +4,8 @@ Layers (``cli → run → models → {comm, parallel} → mesh``; each imports o
 docs/design.md says where new code goes):
   mesh         CPU devices, ``data × stage × seq × model`` meshes, the ``Plan``
   parallel/    primitives for shard_map bodies, model-free: vma typing, collectives, tensor,
-               data, sequence/ (blockwise, ring, Ulysses/USP, layouts, modes), pipeline/
+               lm (RMSNorm, RoPE, vocab-parallel embedding / loss), data,
+               sequence/ (blockwise, ring, Ulysses/USP, layouts, modes), pipeline/
                (schedules, tables, engine)
   comm/        any program's communication: hlo (parser), ledger, bytes (ring formulas),
                terms, contract, report, plot — no model
@@ -33,7 +34,7 @@ from shardkit.mesh import (
 from shardkit.models import sharded, vit
 from shardkit.models.sharded import ShardedModel
 from shardkit.models.vit import ShardedViT, check_plan
-from shardkit.parallel import collectives, data, pipeline, sequence, tensor, vma
+from shardkit.parallel import collectives, data, lm, pipeline, sequence, tensor, vma
 from shardkit.parallel.collectives import (
     all_gather,
     all_reduce,
@@ -75,6 +76,7 @@ __all__ = [
     "data",
     "format_mesh",
     "ledger",
+    "lm",
     "logical_specs",
     "make_mesh",
     "megatron_f",

@@ -1,7 +1,10 @@
 """Model-agnostic primitives for ``shard_map`` bodies: they know no model.
 
 collectives  documented wrappers; ring / bidirectional versions built only from ppermute
-tensor       column / row-parallel dense, head-split attention, the TP MLP, Megatron f / g
+tensor       column / row-parallel dense, head-split attention (RoPE hook, KV repeat), the TP
+             MLP and its gated (SwiGLU) form, Megatron f / g
+lm           decoder-LM pieces: RMSNorm, RoPE, packed-document positions, vocab-parallel
+             embedding, logits and cross-entropy (logits never gathered), padded targets
 sequence     ring attention, Ulysses, USP (bidirectional or causal); token padding and masks
              (ring: the ring itself; blockwise: the block math and attention_local)
 layouts      token layouts over a seq axis (contiguous, zigzag, striped) and their permutations

@@ -17,7 +17,13 @@ Enter once per region, not once per matmul: autodiff does not merge reductions, 
 activation typed invariant that feeds q, k and v projections separately would all-reduce three
 cotangents in backward instead of one (see ``shardkit.collectives.megatron_f``).
 Bias: a column-parallel bias is split like its output (``b[F_X]``); a row-parallel bias is
-whole (``b[D]``) and added once, after the reduction.
+whole (``b[D]``) and added once, after the reduction. Every bias is optional (Llama has none):
+a param dict without ``"bias"`` adds nothing.
+
+Decoder blocks: ``attention_tp`` takes a ``rope`` hook (``lm.rope``: rotary embeddings at the
+tokens' GLOBAL positions) and ``kv_repeat`` (KV heads fewer than the TP degree: K / V weights
+kept whole, each device projects the one KV head its query heads share); ``gated_mlp_tp`` is
+the SwiGLU MLP (gate and up column-parallel, down row-parallel: still one reduction).
 """
 
 from __future__ import annotations
@@ -25,11 +31,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from shardkit.parallel.collectives import (
     all_gather,
+    axis_index,
+    axis_size,
     megatron_f,
     megatron_g,
     reduce_scatter,
@@ -38,15 +47,22 @@ from shardkit.parallel.collectives import (
 
 Params = dict[str, Any]
 AttentionCore = Callable[[Array, Array, Array], Array]
+Rope = Callable[[Array, Array], tuple[Array, Array]]
 
 
 def _cast(x: Array, dtype: jnp.dtype | None) -> Array:
     return x if dtype is None else x.astype(dtype)
 
 
-def add_bias(y: Array, b: Array) -> Array:
-    """``y + b`` with ``b`` broadcast over ``y``'s leading axes (explicit, rank-safe)."""
+def add_bias(y: Array, b: Array | None) -> Array:
+    """``y + b`` with ``b`` broadcast over ``y``'s leading axes (explicit, rank-safe); None: y."""
+    if b is None:
+        return y
     return y + b.reshape((1,) * (y.ndim - b.ndim) + b.shape).astype(y.dtype)
+
+
+def _bias(p: Params, dtype: jnp.dtype | None) -> Array | None:
+    return _cast(p["bias"], dtype) if "bias" in p else None
 
 
 @shard_map_primitive
@@ -81,10 +97,10 @@ def dense_column(x: Array, p: Params, spec: str, dtype: jnp.dtype | None = None)
     """Column-parallel dense: ``x[..., D] · W[D, F_X] + b[F_X] -> y[..., F_X]``, no communication.
 
     ``x`` must already be varying over the axis (from ``enter_tp``); ``spec`` is the einsum,
-    e.g. ``"btd,dhk->bthk"`` for a head-split projection.
+    e.g. ``"btd,dhk->bthk"`` for a head-split projection. ``p["bias"]`` is optional.
     """
     y = jnp.einsum(spec, _cast(x, dtype), _cast(p["kernel"], dtype))
-    return add_bias(y, _cast(p["bias"], dtype))
+    return add_bias(y, _bias(p, dtype))
 
 
 @shard_map_primitive
@@ -97,9 +113,10 @@ def dense_row(
     *,
     token_dim: int | None = None,
 ) -> Array:
-    """Row-parallel dense: ``x[..., F_X] · W[F_X, D] -> {U_X}``, reduced by ``exit_tp``, + b[D]."""
+    """Row-parallel dense: ``x[..., F_X] · W[F_X, D] -> {U_X}``, reduced by ``exit_tp``, + b[D]
+    (``p["bias"]`` optional)."""
     y_partial = jnp.einsum(spec, _cast(x, dtype), _cast(p["kernel"], dtype))
-    return add_bias(exit_tp(y_partial, axis, token_dim=token_dim), _cast(p["bias"], dtype))
+    return add_bias(exit_tp(y_partial, axis, token_dim=token_dim), _bias(p, dtype))
 
 
 @shard_map_primitive
@@ -111,6 +128,8 @@ def attention_tp(
     dtype: jnp.dtype | None = None,
     *,
     token_dim: int | None = None,
+    rope: Rope | None = None,
+    kv_repeat: bool = False,
 ) -> Float[Array, "b t d"]:
     """Self-attention with heads split over ``axis``.
 
@@ -122,29 +141,58 @@ def attention_tp(
     Args:
       x: local activations [b, t, d], invariant over ``axis`` (``[b, t/n, d]`` with
         ``token_dim=1``: Megatron-SP gathers the tokens first).
-      p: this device's fragments, every bias REQUIRED (use zeros for none):
+      p: this device's fragments, every bias optional:
         ``query`` / ``key`` / ``value``: ``{"kernel": [d, h/n, k], "bias": [h/n, k]}``;
         ``out``: ``{"kernel": [h/n, k, d], "bias": [d]}`` (the bias whole: it is added once,
         after the reduction). Split over ``axis`` along the heads dim, as
         ``vit_ref.param_axes`` names it ("heads"). Grouped-query attention: ``key`` and
         ``value`` with h_kv heads ([d, h_kv/n, k], h_kv divisible by n, and h/h_kv query heads
-        per KV head on every device); the sequence cores accept it.
+        per KV head on every device); the sequence cores accept it. With ``kv_repeat``,
+        ``key`` / ``value`` are whole ([d, h_kv, k], not split over ``axis``).
       axis: the tensor-parallel mesh axis, or None (no split: plain attention).
       core: ``core(q, k, v) -> o`` on local heads, [b, t, h/n, k] each (plain, ring, Ulysses,
         masked...). The 1/√k score scaling belongs to the core (``sequence.attention_local``
         and the sequence-parallel cores apply it); nothing here scales.
       dtype: compute dtype of the matmuls (None: the params' dtype).
       token_dim: 1 for Megatron-SP (tokens split over ``axis`` outside the region).
+      rope: ``rope(q, k) -> (q, k)``, applied after the projections (``lm.rope(positions)``:
+        the positions of the tokens this region holds, global ones under a sequence layout).
+      kv_repeat: K / V weights whole on every device, for fewer KV heads than devices
+        (h_kv < n, n a multiple of h_kv): device i projects only KV head i·h_kv/n, the one its
+        h/n query heads use (no K / V activation is repeated or sent). Their gradients are
+        partial per device and summed over ``axis`` like any replicated weight's.
 
     Returns:
       [b, t, d] (or [b, t/n, d] with ``token_dim``), invariant over ``axis``.
     """
     x = enter_tp(x, axis, token_dim=token_dim)
-    q, k, v = (
-        dense_column(x, p[name], "btd,dhk->bthk", dtype) for name in ("query", "key", "value")
-    )
+    kv = {name: p[name] for name in ("key", "value")}
+    if kv_repeat:
+        kv = {name: _kv_head_of_device(w, axis) for name, w in kv.items()}
+    q = dense_column(x, p["query"], "btd,dhk->bthk", dtype)
+    k, v = (dense_column(x, kv[name], "btd,dhk->bthk", dtype) for name in ("key", "value"))
+    if rope is not None:
+        q, k = rope(q, k)
     o = core(q, k, v)
     return dense_row(o, p["out"], "bthk,hkd->btd", axis, dtype, token_dim=token_dim)
+
+
+def _kv_head_of_device(p: Params, axis: str | None) -> Params:
+    """The KV head this device's query heads share, sliced out of whole ``[d, h_kv, k]``
+    weights (``kv_repeat``): head ``i·h_kv/n`` on device i of n."""
+    if axis is None:
+        return p
+    n, h_kv = axis_size(axis), p["kernel"].shape[1]
+    if h_kv >= n or n % h_kv:
+        raise ValueError(
+            f"kv_repeat needs more devices on {axis!r} ({n}) than KV heads ({h_kv}), and a "
+            f"multiple of them; with h_kv >= n split the KV heads over {axis!r} instead."
+        )
+    head = axis_index(axis) * h_kv // n
+    return {
+        name: jax.lax.dynamic_slice_in_dim(w, head, 1, axis=1 if name == "kernel" else 0)
+        for name, w in p.items()
+    }
 
 
 @shard_map_primitive
@@ -163,7 +211,7 @@ def mlp_tp(
 
     Args:
       x: local activations [b, t, d], invariant over ``axis`` ([b, t/n, d] with ``token_dim``).
-      p: this device's fragments, both biases REQUIRED (use zeros for none):
+      p: this device's fragments, both biases optional:
         ``fc1``: ``{"kernel": [d, f/n], "bias": [f/n]}`` (column-parallel);
         ``fc2``: ``{"kernel": [f/n, d], "bias": [d]}`` (row-parallel; the bias whole, added
         once after the reduction).
@@ -180,6 +228,38 @@ def mlp_tp(
     return dense_row(h, p["fc2"], "btf,fd->btd", axis, dtype, token_dim=token_dim)
 
 
+@shard_map_primitive
+def gated_mlp_tp(
+    x: Float[Array, "b t d"],
+    p: Params,
+    axis: str | None,
+    activation: Callable[[Array], Array] = jax.nn.silu,
+    dtype: jnp.dtype | None = None,
+    *,
+    token_dim: int | None = None,
+) -> Float[Array, "b t d"]:
+    """Gated MLP (SwiGLU with ``silu``): ``act(x · W_gate[D, F_X]) ⊙ (x · W_up[D, F_X])
+    · W_down[F_X, D] -> {U_X}`` -> reduced. Gate and up are column-parallel on the same F
+    split, so the product is local: one reduction forward and one backward, as ``mlp_tp``.
+
+    Args:
+      x: local activations [b, t, d], invariant over ``axis`` ([b, t/n, d] with ``token_dim``).
+      p: ``gate`` / ``up``: ``{"kernel": [d, f/n]}``; ``down``: ``{"kernel": [f/n, d]}``;
+        biases optional (``[f/n]``, ``[f/n]``, ``[d]``).
+      axis: the tensor-parallel mesh axis, or None (no split).
+      activation: applied to the gate (``jax.nn.silu``: SwiGLU; ``jax.nn.gelu``: GeGLU).
+      dtype: compute dtype of the matmuls (None: the params' dtype).
+      token_dim: 1 for Megatron-SP.
+
+    Returns:
+      [b, t, d] (or [b, t/n, d] with ``token_dim``), invariant over ``axis``.
+    """
+    x = enter_tp(x, axis, token_dim=token_dim)
+    gate = activation(dense_column(x, p["gate"], "btd,df->btf", dtype))
+    h = gate * dense_column(x, p["up"], "btd,df->btf", dtype)
+    return dense_row(h, p["down"], "btf,fd->btd", axis, dtype, token_dim=token_dim)
+
+
 __all__ = [
     "add_bias",
     "attention_tp",
@@ -187,5 +267,6 @@ __all__ = [
     "dense_row",
     "enter_tp",
     "exit_tp",
+    "gated_mlp_tp",
     "mlp_tp",
 ]

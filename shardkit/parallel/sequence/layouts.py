@@ -18,6 +18,7 @@ nothing travels). Use outside ``shard_map`` for the permutations; inside, index 
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
@@ -48,6 +49,17 @@ def positions(layout: str, n: int, t: int) -> np.ndarray:
         chunks = total.reshape(2 * n, t // 2)
         return np.concatenate([chunks[:n], chunks[::-1][:n]], axis=1)
     return total.reshape(n, t)
+
+
+def local_positions(layout: str, axis: str | None, t: int) -> Array:
+    """Inside ``shard_map``: int32 [t], the global positions of this device's t tokens along
+    ``axis`` in ``layout`` (None: ``0 .. t−1``). What RoPE, causal masks and position
+    embeddings must use: the local index is the wrong position on every device but the first
+    (and on the first too under zigzag or striped)."""
+    if axis is None:
+        return jnp.arange(t, dtype=jnp.int32)
+    n = jax.lax.axis_size(axis)
+    return jnp.asarray(positions(layout, n, t))[jax.lax.axis_index(axis)]
 
 
 def multiple(layout: str, n: int) -> int:
