@@ -8,6 +8,7 @@ inside CI's budget; ``thorough`` runs many more examples:
 import os
 
 import jax
+import pytest
 from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -21,3 +22,11 @@ _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", max_examples=6, derandomize=True, print_blob=True, **_common)
 settings.register_profile("thorough", max_examples=100, print_blob=True, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compile_caches():
+    """Each test file starts from empty JAX caches: compiled programs are shared within a file,
+    and a long session does not carry every earlier file's executables."""
+    yield
+    jax.clear_caches()
