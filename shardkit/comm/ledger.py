@@ -196,9 +196,12 @@ class Ledger:
     """
 
     collectives: tuple[Collective, ...]
-    hlo: str = ""
+    hlo: str = dataclasses.field(default="", repr=False)  # megabytes: print(ledger) shows the table
     memory: Memory | None = None
     xla_flops: float | None = None
+
+    def __str__(self) -> str:
+        return format_table(self)
 
     def total_bytes_sent(self) -> float:
         """Bytes one device sends in one call of the program, over every collective."""
@@ -329,9 +332,14 @@ def _flops(compiled: Any) -> float | None:
 
 
 def format_table(ledger: Ledger) -> str:
-    """A plain-text table: one row per (kind, axes, group size, origin), then totals and memory."""
+    """A plain-text table (also ``str(ledger)``): one row per (kind, axes, group size, origin),
+    then totals and memory. Collectives over groups of one device (a size-1 axis) send nothing:
+    they are counted on one line, not listed."""
     rows: dict[tuple[str, tuple[str, ...], int, str], Tally] = {}
+    alone = [c for c in ledger.collectives if c.group_size == 1]  # size-1 axes: nothing moves
     for c in ledger.collectives:
+        if c.group_size == 1:
+            continue
         key = (c.kind, c.axes, c.group_size, c.origin)
         rows[key] = rows.get(key, Tally(0, 0.0)).add(c)
     header = f"{'collective':<20}{'axes':<18}{'group':>6}{'count':>8}{'bytes sent':>16}  origin"
@@ -342,6 +350,10 @@ def format_table(ledger: Ledger) -> str:
             f"{kind:<20}{axes_text:<18}{group:>6}{t.count:>8}{t.bytes_sent:>16,.0f}  {origin}"
         )
     total = ledger.total_bytes_sent()
+    if alone:
+        lines.append(
+            f"({len(alone)} collectives over groups of one device: nothing sent, not listed)"
+        )
     lines.append("-" * len(header))
     lines.append(f"{'total per device':<44}{sum(t.count for t in rows.values()):>8}{total:>16,.0f}")
     if ledger.memory is not None:

@@ -604,6 +604,7 @@ def test_summary_json_and_table(scanned_ledger):
     assert report["measured_bytes_sent"] == 1632.0
     json.dumps(report)
     table = format_table(scanned_ledger)
+    assert str(scanned_ledger) == table and "HloModule" not in repr(scanned_ledger)
     assert "all-reduce          data,model             8       6             672" in table
     assert "1,632" in table and "loop bodies counted once" in table
     assert scanned_ledger.xla_flops is not None and scanned_ledger.xla_flops > 0
@@ -659,3 +660,13 @@ def test_a_program_without_a_mesh_is_refused_not_mislabelled() -> None:
     with pytest.raises(ValueError, match=r"cannot name the mesh axes .* pass mesh=<the Mesh>"):
         ledger_of(_Compiled(text))
     assert ledger_of(_Compiled(module("%n = f32[4,4]{1,0} negate(%p)"))).collectives == ()
+
+
+def test_the_table_counts_groups_of_one_on_one_line():
+    """A collective over a size-1 axis sends nothing: no 0-byte row, one line saying so."""
+    common = dict(axes=("seq",), shapes=((4,),), dtypes=("f32",), result_bytes=16, count=1,
+                  op_name="", source="", computation="main")  # fmt: skip
+    alone = Collective(kind="all-reduce", group_size=1, bytes_sent=0.0, name="ar.1", **common)
+    real = Collective(kind="all-reduce", group_size=2, bytes_sent=16.0, name="ar.2", **common)
+    table = str(Ledger((alone, real)))
+    assert table.count("all-reduce") == 1 and "1 collectives over groups of one device" in table
