@@ -31,7 +31,7 @@ def run_example(name: str, *flags: str) -> subprocess.CompletedProcess[str]:
         [sys.executable, str(ROOT / "examples" / name), *flags],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # a hang guard: two xdist workers share 2 cores
         cwd=ROOT,
         env=env,
         check=False,
