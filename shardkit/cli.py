@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from shardkit.mesh import PP_MODES, REMAT_POLICIES, SP_MODES, ZERO_LEVELS
+from shardkit.mesh import LAYER_LOOPS, PP_MODES, REMAT_POLICIES, SP_MODES, ZERO_LEVELS
 
 DEFAULT_MODEL = dict(
     image=32, patch=4, channels=3, classes=10, dim=64, depth=2, heads=8, mlp_dim=128, pool="tok"
@@ -43,6 +43,12 @@ def _add_model_opts(p: argparse.ArgumentParser, batch: int, about: str) -> None:
     g.add_argument("--pool", choices=("tok", "gap"))
     g.add_argument("--posemb", choices=("learn", "sincos2d"))
     g.add_argument("--dtype", choices=("float32", "bfloat16"))
+    g.add_argument(
+        "--precision",
+        choices=("wide", "big_vision"),
+        help="under bf16: wide keeps the residual stream and softmax float32 (default), "
+        "big_vision computes them in bf16",
+    )
     g.add_argument("--batch", type=int, default=batch, help=f"global batch (default {batch})")
 
 
@@ -71,6 +77,12 @@ def _add_plan_opts(p: argparse.ArgumentParser) -> None:
         choices=REMAT_POLICIES,
         help="what each block recomputes in backward: dots (keep the matmul outputs) or full "
         "(the default when the flag is bare; re-gathers under FSDP)",
+    )
+    g.add_argument(
+        "--layers",
+        choices=LAYER_LOOPS,
+        help="run the blocks as one lax.scan (default) or unrolled (faster on a TPU, slower "
+        "to compile)",
     )
     g.add_argument(
         "--pp",
@@ -196,8 +208,18 @@ def model_config(
     """The ViT from the model flags over ``defaults`` (verification draws a random head)."""
     from shardkit.run import config
 
-    overrides = {k: getattr(args, k) for k in (*MODEL_FLAGS, "pool", "posemb", "dtype")}
+    names = (*MODEL_FLAGS, "pool", "posemb", "dtype", "precision")
+    overrides = {k: getattr(args, k) for k in names}
     return config.model_config(overrides, args.variant, defaults, head_zeroinit)
+
+
+def _with_layers(cases: list[Any], layers: str | None) -> list[Any]:
+    """The matrix's cases with ``--layers`` (when given) in every plan."""
+    if layers is None:
+        return cases
+    import dataclasses
+
+    return [dataclasses.replace(c, plan=dataclasses.replace(c.plan, layers=layers)) for c in cases]
 
 
 def _plan_given(args: argparse.Namespace) -> bool:
@@ -216,6 +238,7 @@ def plan_from_args(args: argparse.Namespace) -> Any:
         fsdp=args.fsdp,
         zero=args.zero or 0,
         remat=args.remat or "none",
+        layers=args.layers or "scan",
         pp=args.pp or "none",
         microbatches=1 if args.microbatches is None else args.microbatches,
         virtual=1 if args.virtual is None else args.virtual,
@@ -299,7 +322,7 @@ def run_verify(args: argparse.Namespace) -> int:
     if _plan_given(args):
         cases = [verify.Case("custom", plan_from_args(args))]
     else:
-        cases = verify.default_matrix(args.devices)
+        cases = _with_layers(verify.default_matrix(args.devices), args.layers)
     models = verify.prepare(cfg, cases, args.batch)  # every plan checked before anything runs
     if _plan_given(args):
         _note(cfg, cases[0].plan)
@@ -422,7 +445,7 @@ def _bench_cases(args: argparse.Namespace) -> list[Any]:
         if args.strategies:
             raise UsageError("give either --strategies or plan options (--mesh ...), not both.")
         return [Case("custom", plan_from_args(args))]
-    cases = bench.strategies(args.devices)
+    cases = _with_layers(bench.strategies(args.devices), args.layers)
     if not args.strategies:
         return cases
     by_name = {case.name.lower(): case for case in cases}
@@ -492,7 +515,7 @@ def _run_chip_bench(args: argparse.Namespace) -> int:
         print(f"bench: {what}", file=sys.stderr, flush=True)
 
     result = throughput.run(cfg, batches, remats, steps=args.steps, warmup=args.warmup,
-                            progress=progress)  # fmt: skip
+                            progress=progress, layers=args.layers or "scan")  # fmt: skip
     if args.plot:
         throughput.plot(result, args.plot)
     print(json.dumps(result) if args.json else throughput.format_table(result))

@@ -37,6 +37,7 @@ ZERO_LEVELS = (0, 1, 2, 3)  # none, optimizer state, + gradients, + params (FSDP
 # the matmuls without batch dims ("dots": the rest, LayerNorm, softmax, GELU and attention's
 # batched products, recomputed), or only its input ("full": the whole block recomputed).
 REMAT_POLICIES = ("none", "dots", "full")
+LAYER_LOOPS = ("scan", "unrolled")
 
 
 class PlanError(ValueError):
@@ -199,6 +200,10 @@ class Plan:
         (recompute the block); True means "full", False "none". Recomputing re-runs the
         collectives whose results the backward reads (with FSDP the layer's weights are
         gathered again).
+      layers: how the blocks run (``LAYER_LOOPS``): "scan" (one ``lax.scan`` over the stacked
+        layers: one compiled body, the loop's trip count read by the ledger) or "unrolled" (a
+        Python loop over the same stacked params: XLA fuses across layers; faster on a TPU,
+        longer to compile).
       pp: the pipeline schedule over ``stage`` (``parallel.schedules``): none, gpipe, 1f1b,
         interleaved or zb (ZB-H1); needs stage > 1, and stage > 1 needs one.
       microbatches: M, the pipeline's microbatches per data-local batch (1 without a pipeline).
@@ -211,6 +216,7 @@ class Plan:
     fsdp: bool = False
     zero: int = 0
     remat: str = "none"
+    layers: str = "scan"
     pp: str = "none"
     microbatches: int = 1
     virtual: int = 1
@@ -237,6 +243,10 @@ class Plan:
         if self.remat not in REMAT_POLICIES:
             raise PlanError(
                 f"Unknown remat policy {self.remat!r}; choose one of {', '.join(REMAT_POLICIES)}."
+            )
+        if self.layers not in LAYER_LOOPS:
+            raise PlanError(
+                f"Unknown layers {self.layers!r}; choose one of {', '.join(LAYER_LOOPS)}."
             )
         if self.zero not in ZERO_LEVELS:
             raise PlanError(f"--zero must be one of 0, 1, 2, 3, got {self.zero!r}.")

@@ -78,6 +78,7 @@ def assert_one_sentence(err: Exception) -> None:
             "--ulysses 2 with sp='megatron' splits the seq axis, but the mesh has seq=1",
         ),
         (lambda: Plan({"model": 2}, zero=1), "--zero 1 splits over data, but the mesh has data=1"),
+        (lambda: Plan(layers="loop"), "Unknown layers 'loop'; choose one of scan, unrolled"),
         (
             lambda: Plan({"data": 2, "stage": 2}, zero=2, pp="1f1b", microbatches=2),
             "--zero 2 cannot run under --pp 1f1b",

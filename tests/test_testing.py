@@ -170,6 +170,7 @@ def test_sharded_cases_reach_the_hard_cases() -> None:
         "fsdp over 3": (dp_tp, lambda c: c[1].fsdp and c[1].size("data") == 3),
         "gap + sincos2d": (dp_tp, lambda c: c[0].pool == "gap" and c[0].posemb == "sincos2d"),
         "tok + learn": (dp_tp, lambda c: c[0].pool == "tok" and c[0].posemb == "learn"),
+        "layers unrolled": (dp_tp, lambda c: c[1].layers == "unrolled"),
         "3-D mesh": (all_modes, lambda c: min(c[1].size(a) for a in ("data", "seq", "model")) > 1),
         "fewer tokens than seq devices": (
             all_modes,

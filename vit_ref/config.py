@@ -12,6 +12,10 @@ from typing import Any
 POOLS = ("tok", "gap")
 POSEMBS = ("learn", "sincos2d")
 DTYPES = ("float32", "bfloat16")
+# What stays float32 under bf16 compute (params, optimizer state, LayerNorm statistics and the
+# loss always do): "wide" also keeps the residual stream and attention's logits and softmax in
+# float32; "big_vision" computes both in bf16, as big_vision trains with dtype_mm=bfloat16.
+PRECISIONS = ("wide", "big_vision")
 
 # width, depth, mlp_dim, heads -- big_vision's decode_variant table, plus a tiny "mu" for tests.
 VARIANTS: dict[str, dict[str, int]] = {
@@ -39,7 +43,12 @@ class ViTConfig:
       mlp_dim: MLP hidden width f.
       pool: "tok" (class token, prepended) or "gap" (mean over tokens).
       posemb: "learn" (normal, std 1/sqrt(dim)) or "sincos2d" (fixed).
-      dtype: compute dtype, "float32" or "bfloat16" (params, softmax, LayerNorm, loss stay fp32).
+      dtype: compute dtype of the matmuls, "float32" or "bfloat16" (params stay float32).
+      precision: the mixed-precision policy under bf16 (``PRECISIONS``): "wide" keeps the
+        residual stream, attention's logits and softmax, LayerNorm statistics and the loss in
+        float32; "big_vision" keeps only LayerNorm statistics and the loss (the residual
+        stream and the softmax in bf16; faster and lighter on a TPU: docs/performance.md).
+        Both are the same under float32.
       head_zeroinit: zero-initialise the head kernel (big_vision's default); False draws it
         randomly, which equivalence tests need so that logits depend on the body.
     """
@@ -55,6 +64,7 @@ class ViTConfig:
     pool: str = "gap"
     posemb: str = "learn"
     dtype: str = "float32"
+    precision: str = "wide"
     head_zeroinit: bool = True
 
     def __post_init__(self) -> None:
@@ -73,6 +83,7 @@ class ViTConfig:
         _check_choice("pool", self.pool, POOLS)
         _check_choice("posemb", self.posemb, POSEMBS)
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("precision", self.precision, PRECISIONS)
         if self.posemb == "sincos2d" and (self.dim % 4 or self.dim < 8):
             raise ValueError(
                 f"ViTConfig.posemb='sincos2d' needs dim divisible by 4 and at least 8, "

@@ -34,10 +34,11 @@ def loss_fn(
     cfg: ViTConfig,
     constrain: Callable[[Array], Array] | None = None,
     remat: str = "none",
+    layers: str = "scan",
 ) -> Float[Array, ""]:
     """The training objective: cross-entropy of the reference forward (``constrain``,
-    ``remat``: see ``forward``)."""
-    logits, _ = forward(params, images, cfg, constrain, remat)
+    ``remat``, ``layers``: see ``forward``)."""
+    logits, _ = forward(params, images, cfg, constrain, remat, layers)
     return cross_entropy(logits, labels)
 
 
@@ -66,7 +67,10 @@ def apply_optimizer(
 
 
 def make_train_step(
-    cfg: ViTConfig, optimizer: optax.GradientTransformation, remat: str = "dots"
+    cfg: ViTConfig,
+    optimizer: optax.GradientTransformation,
+    remat: str = "dots",
+    layers: str = "scan",
 ) -> TrainStep:
     """A jitted step ``(params, opt_state, images, labels) -> (params, opt_state, metrics)``.
 
@@ -75,11 +79,12 @@ def make_train_step(
     ``remat``: the blocks' recomputation policy (``forward``); "dots" by default: under
     ``lax.scan`` "none" stacks every intermediate the backward reads, the float32 attention
     scores included (ViT-B/16, batch 32, bf16 on a v5e: 7.34 GB temp and 686 img/s against
-    2.69 GB and 771 img/s with "dots"; docs/performance.md).
+    2.69 GB and 771 img/s with "dots"; docs/performance.md). ``layers``: "scan" or "unrolled"
+    (``forward``); unrolled, "none" is the fastest and XLA keeps no per-layer stacks.
     """
 
     def step(params: Params, opt_state: Any, images: Array, labels: Array):
-        loss, grads = jax.value_and_grad(loss_fn)(params, images, labels, cfg, None, remat)
+        loss, grads = jax.value_and_grad(loss_fn)(params, images, labels, cfg, None, remat, layers)
         grad_norm = optax.tree.norm(grads)
         params, opt_state = apply_optimizer(optimizer, grads, opt_state, params)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm}

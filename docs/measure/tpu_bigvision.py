@@ -104,13 +104,12 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         row = {"model": "big_vision (flax)", "batch": batch, "remat": "none", "error": None}
         try:
-            compile_s, temp, peak_bytes, times = time_step(
-                *step_and_args(cfg, batch), args.steps, 2
-            )
-            step_s = statistics.median(times)
-            row |= dict(step_s=step_s, images_per_s=batch / step_s, compile_s=compile_s,
-                        mfu=model_flops(cfg, batch) / step_s / peak, temp_bytes=temp,
-                        peak_bytes=peak_bytes)  # fmt: skip
+            timing = time_step(*step_and_args(cfg, batch), args.steps, 2)
+            step_s = statistics.median(timing.times)
+            row |= dict(step_s=step_s, images_per_s=batch / step_s, compile_s=timing.compile_s,
+                        mfu=model_flops(cfg, batch) / step_s / peak, temp_bytes=timing.temp_bytes,
+                        peak_bytes=timing.peak_bytes, pipelined_s=timing.pipelined_s,
+                        pipelined_images_per_s=batch / timing.pipelined_s)  # fmt: skip
         except (jax.errors.JaxRuntimeError, RuntimeError) as err:
             row["error"] = str(err).splitlines()[0][:200]
         print(row, flush=True)

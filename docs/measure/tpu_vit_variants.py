@@ -9,6 +9,9 @@ Each variant is vit_ref's forward with some choices changed, timed like ``bench 
   residual   float32 | bfloat16: the dtype of the residual stream between blocks
   scores     float32 | bfloat16: attention logits and softmax
   qkv        split | fused: three projections or one [d, 3, h, k] matmul
+  attn       ref | flax: flax's order (q scaled by a Python float, then bf16 logits and softmax)
+  layers     stacked | list: per-layer params as one [depth, ...] array or a list of trees
+  norm       1: also compute the gradients' global norm (as ``vit_ref.make_train_step`` does)
 
     python docs/measure/tpu_vit_variants.py --batch 32 base loop res=bf16 ...
 """
@@ -28,6 +31,10 @@ from vit_ref import model as ref
 
 
 def attention(q, k, v, scores):
+    if scores == "flax":
+        q = q * (1.0 / float(np.sqrt(q.shape[-1])))
+        probs = jax.nn.softmax(jnp.einsum("bqhk,bshk->bhqs", q, k), axis=-1)
+        return jnp.einsum("bhqs,bshk->bqhk", probs.astype(v.dtype), v)
     wide = jnp.float32 if scores == "f32" else q.dtype
     logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=wide)
     probs = jax.nn.softmax(logits * (1.0 / np.sqrt(q.shape[-1])), axis=-1).astype(v.dtype)
@@ -44,7 +51,7 @@ def block(x, p, dtype, opts):
         q, k, v = qkv[0], qkv[1], qkv[2]
     else:
         q, k, v = (ref.dense(h, a[n], "btd,dhk->bthk", dtype) for n in ("query", "key", "value"))
-    o = attention(q, k, v, opts.get("scores", "f32"))
+    o = attention(q, k, v, "flax" if opts.get("attn") == "flax" else opts.get("scores", "f32"))
     x = x + ref.dense(o, a["out"], "bthk,hkd->btd", dtype).astype(x.dtype)
     return x + ref.mlp(ref.layer_norm(x, p["ln2"]), p["mlp"], dtype).astype(x.dtype)
 
@@ -55,7 +62,10 @@ def loss_fn(params, images, labels, cfg, opts):
     if opts.get("res") == "bf16":
         x = x.astype(jnp.bfloat16)
     run = ref.remat_block(lambda x, p: block(x, p, dtype, opts), opts.get("remat", "dots"))
-    if "loop" in opts:
+    if isinstance(params["blocks"], list):
+        for p in params["blocks"]:
+            x = run(x, p)
+    elif "loop" in opts:
         for i in range(cfg.depth):
             x = run(x, jax.tree.map(lambda a, i=i: a[i], params["blocks"]))
     else:
@@ -69,6 +79,9 @@ def loss_fn(params, images, labels, cfg, opts):
 def step_and_args(cfg, batch, opts):
     optimizer = vit_ref.make_optimizer()
     params = vit_ref.init(jax.random.key(0), cfg)
+    if opts.get("layers") == "list":
+        blocks = params["blocks"]
+        params["blocks"] = [jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(cfg.depth)]
     state = jax.jit(optimizer.init)(params)
     rng = np.random.default_rng(0)
     images = jnp.asarray(rng.normal(size=(batch, cfg.image, cfg.image, 3)), jnp.float32)
@@ -76,8 +89,11 @@ def step_and_args(cfg, batch, opts):
 
     def step(params, state, images, labels):
         value, grads = jax.value_and_grad(loss_fn)(params, images, labels, cfg, opts)
+        metrics = {"loss": value}
+        if "norm" in opts:
+            metrics["grad_norm"] = optax.tree.norm(grads)
         params, state = vit_ref.train.apply_optimizer(optimizer, grads, state, params)
-        return params, state, {"loss": value}
+        return params, state, metrics
 
     return jax.jit(step, donate_argnums=(0, 1)), (params, state, images, labels)
 
@@ -91,11 +107,14 @@ def main() -> None:
     _, peak, _ = chip_peak()
     for name in args.variants:
         opts = dict(o.split("=") if "=" in o else (o, "1") for o in name.split(",") if o != "base")
-        compile_s, temp, _, times = time_step(*step_and_args(cfg, args.batch, opts), 10, 2)
-        step_s = statistics.median(times)
+        step, step_args = step_and_args(cfg, args.batch, opts)
+        timing = time_step(step, step_args, 10, 2)
+        step_s = statistics.median(timing.times)
         mfu = model_flops(cfg, args.batch) / step_s / peak
-        print(f"{name:<40} {args.batch / step_s:8.1f} img/s {mfu:6.1%} MFU "
-              f"temp {temp / 1e9:5.2f} GB compile {compile_s:5.1f} s", flush=True)  # fmt: skip
+        b2b, temp = args.batch / timing.pipelined_s, timing.temp_bytes / 1e9
+        print(f"{name:<48} {args.batch / step_s:7.1f} img/s {mfu:6.1%} MFU, back to back "
+              f"{b2b:7.1f} img/s, temp {temp:5.2f} GB compile {timing.compile_s:5.1f} s",
+              flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

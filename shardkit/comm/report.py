@@ -130,7 +130,7 @@ class Report:
     def contract_ok(self) -> bool:
         """Counts equal and bytes within 1%, per (kind, axes) (so in total too).
 
-        Where the expectation is an upper bound (remat on one layer, ``Expectation.exact``):
+        Where the expectation is an upper bound (remat without a layer loop, ``Expectation.exact``):
         no more ops and bytes than expected.
         """
         return not self.mismatches

@@ -1,11 +1,13 @@
 """``shardkit bench --chip``: one device's training throughput, ``vit_ref`` beside the sharded
 ViT, per batch size and recomputation policy, with MFU against the chip's peak and memory.
 
-For each (model, batch, remat policy): the jitted train step (params and optimizer state
-donated, AdamW) is compiled ahead of time, its per-device memory read from
-``memory_analysis`` (argument, output, temp; peak = argument + output + temp − aliased), then
-run ``warmup`` times and timed over ``steps`` calls (each to completion); the row reports the
-median step, images per second and MFU = ``bench.model_flops`` per step / median step / the
+For each (model, batch, remat policy) at one layer loop (``layers``: scan or unrolled): the
+jitted train step (params and optimizer state donated, AdamW) is compiled ahead of time, its
+per-device memory read from ``memory_analysis`` (argument, output, temp; peak = argument +
+output + temp − aliased), then run ``warmup`` times and timed over ``steps`` calls, each to
+completion, and over ``steps`` more dispatched back to back (one wait at the end, as a
+training loop runs: ``back_to_back_images_per_s``); the row reports the median waited-for
+step, images per second and MFU = ``bench.model_flops`` per step / median step / the
 chip's peak (``PEAK_FLOPS`` by ``device_kind``; on a backend with no entry, the matmul peak
 measured in the same run, as ``bench`` does). A step that does not fit is a row with its
 error, not a crash. The sharded ViT runs on ``Plan({"data": 1})``: one ``shard_map`` over one
@@ -18,7 +20,7 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,8 +50,10 @@ class Row:
     model: str
     batch: int
     remat: str
+    layers: str = "scan"
     step_s: float | None = None
     images_per_s: float | None = None
+    back_to_back_images_per_s: float | None = None
     mfu: float | None = None
     temp_bytes: int | None = None
     peak_bytes: int | None = None
@@ -72,7 +76,7 @@ def _inputs(cfg: vit_ref.ViTConfig, batch: int) -> tuple[jax.Array, jax.Array]:
 
 
 def _step_and_args(
-    who: str, cfg: vit_ref.ViTConfig, batch: int, remat: str
+    who: str, cfg: vit_ref.ViTConfig, batch: int, remat: str, layers: str
 ) -> tuple[Any, tuple[Any, ...]]:
     """(jitted step, its arguments on the device) for ``who`` in ``MODELS``."""
     params = vit_ref.init(jax.random.key(0), cfg)
@@ -80,18 +84,30 @@ def _step_and_args(
     images, labels = _inputs(cfg, batch)
     if who == "vit_ref":
         state = jax.jit(optimizer.init)(params)
-        return vit_ref.make_train_step(cfg, optimizer, remat), (params, state, images, labels)
-    model = ShardedViT(cfg, Plan({"data": 1}, remat=remat))
+        step = vit_ref.make_train_step(cfg, optimizer, remat, layers)
+        return step, (params, state, images, labels)
+    model = ShardedViT(cfg, Plan({"data": 1}, remat=remat, layers=layers))
     placed = model.shard(params)
     state = model.init_opt_state(optimizer, placed)
     return model.train_step(optimizer), (placed, state, *model.shard_batch(images, labels))
 
 
-def time_step(
-    step: Any, args: tuple[Any, ...], steps: int, warmup: int
-) -> tuple[float, int, int, list[float]]:
-    """(compile seconds, temp bytes, peak bytes, step times) of a jitted, donating
-    ``step(params, state, *data) -> (params, state, metrics)`` compiled ahead of time."""
+class Timing(NamedTuple):
+    """What ``time_step`` measured: compile seconds, temp and peak bytes, the step times when
+    each step is waited for, and the mean step when ``steps`` are dispatched back to back
+    (the host enqueues the next step while the chip runs this one, as a training loop does)."""
+
+    compile_s: float
+    temp_bytes: int
+    peak_bytes: int
+    times: list[float]
+    pipelined_s: float
+
+
+def time_step(step: Any, args: tuple[Any, ...], steps: int, warmup: int) -> Timing:
+    """Times a jitted, donating ``step(params, state, *data) -> (params, state, metrics)``
+    compiled ahead of time: ``warmup`` steps, ``steps`` each waited for, then ``steps``
+    dispatched back to back with one wait at the end."""
     t0 = time.perf_counter()
     compiled = step.lower(*args).compile()
     compile_s = time.perf_counter() - t0
@@ -106,22 +122,36 @@ def time_step(
         jax.block_until_ready(metrics)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return compile_s, mem.temp_size_in_bytes, peak, times
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        params, state, metrics = compiled(params, state, *data)
+    jax.block_until_ready(metrics)
+    pipelined_s = (time.perf_counter() - t0) / steps
+    return Timing(compile_s, mem.temp_size_in_bytes, peak, times, pipelined_s)
 
 
 def measure(
-    who: str, cfg: vit_ref.ViTConfig, batch: int, remat: str, steps: int, warmup: int, peak: float
+    who: str,
+    cfg: vit_ref.ViTConfig,
+    batch: int,
+    remat: str,
+    layers: str,
+    steps: int,
+    warmup: int,
+    peak: float,
 ) -> Row:
     """One row: compile, memory, timed steps (the module docstring says how)."""
-    row = Row(who, batch, remat)
+    row = Row(who, batch, remat, layers)
     try:
-        step, args = _step_and_args(who, cfg, batch, remat)
-        row.compile_s, row.temp_bytes, row.peak_bytes, times = time_step(step, args, steps, warmup)
+        step, args = _step_and_args(who, cfg, batch, remat, layers)
+        timing = time_step(step, args, steps, warmup)
     except (jax.errors.JaxRuntimeError, RuntimeError, MemoryError) as err:  # e.g. out of memory
         row.error = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         return row
-    row.step_s = statistics.median(times)
+    row.compile_s, row.temp_bytes, row.peak_bytes = timing[:3]
+    row.step_s = statistics.median(timing.times)
     row.images_per_s = batch / row.step_s
+    row.back_to_back_images_per_s = batch / timing.pipelined_s
     row.mfu = model_flops(cfg, batch) / row.step_s / peak
     return row
 
@@ -134,15 +164,17 @@ def run(
     steps: int = 10,
     warmup: int = 2,
     progress: Callable[[str], None] = lambda _: None,
+    layers: str = "scan",
 ) -> dict[str, Any]:
-    """Every (batch, remat, model) row; ``{"rows": [...], ...}`` (``bench --chip --json``)."""
+    """Every (batch, remat, model) row at ``layers``; ``{"rows": [...], ...}`` (``bench --chip
+    --json``)."""
     kind, peak, source = chip_peak()
     rows = []
     for batch in batches:
         for remat in remats:
             for who in models:
-                progress(f"{who} batch {batch} remat={remat}")
-                rows.append(measure(who, cfg, batch, remat, steps, warmup, peak))
+                progress(f"{who} batch {batch} remat={remat} layers={layers}")
+                rows.append(measure(who, cfg, batch, remat, layers, steps, warmup, peak))
     return {
         "model": dataclasses.asdict(cfg),
         "device_kind": kind,
@@ -155,37 +187,40 @@ def run(
 
 
 def format_table(result: dict[str, Any]) -> str:
-    """The rows as a table: img/s, MFU, step ms, temp and peak GB, compile s."""
-    head = f"{'model':<18}{'batch':>6} {'remat':<6}{'img/s':>9}{'MFU':>8}{'ms':>9}"
-    head += f"{'temp GB':>9}{'peak GB':>9}{'compile s':>11}"
+    """The rows as a table: img/s (waited for, back to back), MFU, step ms, temp and peak GB,
+    compile s."""
+    head = f"{'model':<18}{'batch':>6} {'remat':<6}{'layers':<9}{'img/s':>9}{'b2b img/s':>10}"
+    head += f"{'MFU':>8}{'ms':>9}{'temp GB':>9}{'peak GB':>9}{'compile s':>11}"
     lines = [f"{result['device_kind']}: peak {result['peak_flops_per_s'] / 1e12:.0f} TFLOP/s "
              f"({result['peak_source']})", head]  # fmt: skip
     for r in result["rows"]:
-        start = f"{r['model']:<18}{r['batch']:>6} {r['remat']:<6}"
+        start = f"{r['model']:<18}{r['batch']:>6} {r['remat']:<6}{r['layers']:<9}"
         if r["error"]:
             lines.append(start + f"  failed: {r['error']}")
             continue
         lines.append(
-            start + f"{r['images_per_s']:>9.1f}{r['mfu']:>8.1%}{r['step_s'] * 1e3:>9.2f}"
+            start + f"{r['images_per_s']:>9.1f}{r['back_to_back_images_per_s']:>10.1f}"
+            f"{r['mfu']:>8.1%}{r['step_s'] * 1e3:>9.2f}"
             f"{r['temp_bytes'] / 1e9:>9.2f}{r['peak_bytes'] / 1e9:>9.2f}{r['compile_s']:>11.1f}"
         )
     return "\n".join(lines)
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-    """Images per second and temp memory against batch, one line per (model, remat)."""
+    """Images per second and temp memory against batch, one line per (model, remat, layers)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_speed, ax_mem) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
-    series: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    series: dict[str, list[dict[str, Any]]] = {}
     for r in result["rows"]:
-        series.setdefault((r["model"], r["remat"]), []).append(r)
-    for (model, remat), rows in series.items():
+        label = f"{r['model']}, remat={r['remat']}"
+        label += f", {r['layers']}" if "layers" in r else ""
+        series.setdefault(label, []).append(r)
+    for label, rows in series.items():
         ok = [r for r in rows if not r["error"]]
-        label = f"{model}, remat={remat}"
         ax_speed.plot([r["batch"] for r in ok], [r["images_per_s"] for r in ok], "o-", label=label)
         ax_mem.plot([r["batch"] for r in ok], [r["temp_bytes"] / 1e9 for r in ok], "o-",
                     label=label)  # fmt: skip

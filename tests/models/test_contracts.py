@@ -69,6 +69,13 @@ COMPOSITIONS = {
         CFG,
         Plan({"data": 2, "seq": 2, "model": 2}, sp="ring", fsdp=True, remat="dots"),
     ),
+    # Unrolled layers: no loop between the forward's ring hop and the backward's identical one
+    # (r = 2), so XLA merges them in every layer: the same bytes as a one-layer scan's rule.
+    "ring+TP+FSDP unrolled (r=2)": (
+        CFG,
+        Plan({"data": 2, "seq": 2, "model": 2}, sp="ring", fsdp=True, layers="unrolled"),
+    ),
+    "Megatron-SP unrolled": (CFG, Plan({"data": 2, "model": 4}, sp="megatron", layers="unrolled")),
 }
 _REPORTS: dict[str, report.Report] = {}
 

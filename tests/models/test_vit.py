@@ -105,13 +105,14 @@ def results(params: dict, images: Any, labels: Any, cfg: vit_ref.ViTConfig) -> d
 
 
 def plan_key(plan: Plan) -> tuple:
-    return (tuple(plan.mesh.items()), plan.sp, plan.ulysses, plan.zero, plan.remat)
+    return (tuple(plan.mesh.items()), plan.sp, plan.ulysses, plan.zero, plan.remat, plan.layers)
 
 
 @functools.lru_cache(maxsize=16)  # bounded: see fast_compile
 def _model(cfg: vit_ref.ViTConfig, key: tuple) -> tuple[ShardedViT, Any]:
-    mesh, sp, ulysses, zero, remat = key
-    model = ShardedViT(cfg, Plan(dict(mesh), sp=sp, ulysses=ulysses, zero=zero, remat=remat))
+    mesh, sp, ulysses, zero, remat, layers = key
+    plan = Plan(dict(mesh), sp=sp, ulysses=ulysses, zero=zero, remat=remat, layers=layers)
+    model = ShardedViT(cfg, plan)
     optimizer = verify.verify_optimizer()
     step = model.train_step(optimizer)
 
@@ -229,11 +230,45 @@ def test_large_inputs_stay_finite(mode: str) -> None:
             assert np.isfinite(np.asarray(leaf)).all(), f"{what}{jax.tree_util.keystr(path)}"
 
 
-def test_bfloat16_within_its_documented_bound() -> None:
-    """bf16 compute, sharded vs vit_ref in bf16: within verify.TOLERANCE["bfloat16"]."""
-    cfg = vit(dtype="bfloat16", heads=4, pool="gap")
-    plan = Plan({"data": 2, "seq": 2, "model": 2}, sp="ring", fsdp=True)
-    check_equal_to_reference((cfg, plan, 2), tol=verify.TOLERANCE["bfloat16"])
+RING_FSDP = Plan({"data": 2, "seq": 2, "model": 2}, sp="ring", fsdp=True)
+MEGATRON_UNROLLED = Plan({"data": 2, "model": 4}, sp="megatron", layers="unrolled", remat="dots")
+
+
+@pytest.mark.parametrize(
+    ("precision", "plan"),
+    [
+        ("wide", RING_FSDP),
+        ("wide", MEGATRON_UNROLLED),
+        ("big_vision", Plan({"data": 2, "model": 4}, fsdp=True)),
+        ("big_vision", MEGATRON_UNROLLED),
+    ],
+    ids=[
+        "wide ring+TP+FSDP",
+        "wide megatron unrolled",
+        "big_vision FSDP×TP",
+        "big_vision megatron",
+    ],
+)
+def test_bfloat16_within_its_documented_bound(precision: str, plan: Plan) -> None:
+    """bf16 compute under each precision policy, sharded vs vit_ref with the same policy:
+    every leaf within verify.TOLERANCE["bfloat16"] but the key bias, whose exact gradient is
+    zero (softmax ignores a shift shared by all keys): with bf16 logits both sides' values are
+    rounding noise (measured 5.2e-2 apart), so each is held under 1e-3 of the largest gradient
+    instead. Under "big_vision" the plans run the local core, whose bf16 softmax is the
+    reference's; a ring keeps float32 softmax statistics (flash-style)."""
+    cfg = vit(dtype="bfloat16", heads=4, pool="gap", precision=precision)
+    params = params_for(cfg)
+    images, labels = batch_for(cfg, 2)
+    got = sharded_results(cfg, plan, params, images, labels)
+    want = results(params, images, labels, cfg)
+    for side in (got, want):
+        key_bias = side["grads"]["blocks"]["attn"]["key"].pop("bias")
+        largest = max(
+            np.linalg.norm(np.asarray(g, np.float64)) for g in jax.tree.leaves(side["grads"])
+        )
+        assert np.linalg.norm(np.asarray(key_bias, np.float64)) < 1e-3 * largest
+    for what in got:
+        assert_trees_close(got[what], want[what], verify.TOLERANCE["bfloat16"], what=what)
 
 
 # ----------------------------------------------------------------------------- FSDP memory

@@ -1,13 +1,17 @@
 """vit_ref's train step keeps what its backward needs and no float32 stack of attention scores:
-``memory_analysis`` and the compiled program on CPU (deterministic), per remat policy."""
+``memory_analysis`` and the compiled program on CPU (deterministic), per remat policy; the
+saved activations per precision policy (``saved_residuals``, deterministic); scanned and
+unrolled layers compute the same."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import jax
 import jax.numpy as jnp
 import pytest
+from jax._src.ad_checkpoint import saved_residuals
 
 import vit_ref
 
@@ -20,13 +24,13 @@ BATCH = 16
 SCORES = f"f32[{CFG.depth},{BATCH},{CFG.heads},{CFG.num_tokens},{CFG.num_tokens}]"
 
 
-def _compiled(remat: str):
+def _compiled(remat: str, layers: str = "scan"):
     optimizer = vit_ref.make_optimizer()
     params = jax.eval_shape(lambda: vit_ref.init(jax.random.key(0), CFG))
     state = jax.eval_shape(optimizer.init, params)
     images = jax.ShapeDtypeStruct((BATCH, CFG.image, CFG.image, CFG.channels), jnp.float32)
     labels = jax.ShapeDtypeStruct((BATCH,), jnp.int32)
-    step = vit_ref.make_train_step(CFG, optimizer, remat)
+    step = vit_ref.make_train_step(CFG, optimizer, remat, layers)
     return step.lower(params, state, images, labels).compile()
 
 
@@ -43,13 +47,48 @@ def test_dots_keeps_no_float32_scores_and_less_than_half_the_temp(programs) -> N
     assert temp["full"] < temp["dots"]  # measured: 14.6 MB
 
 
+def test_unrolled_layers_stack_nothing_per_layer(programs) -> None:
+    """Unrolled, no loop is left and nothing is stacked per layer: less temp than the scan."""
+    unrolled = _compiled("none", "unrolled")
+    assert " while(" in programs["none"].as_text() and " while(" not in unrolled.as_text()
+    assert SCORES not in unrolled.as_text()
+    temp = unrolled.memory_analysis().temp_size_in_bytes
+    assert temp < programs["none"].memory_analysis().temp_size_in_bytes  # 40.4 MB vs 59.6 MB
+
+
+def _saved_float32(precision: str) -> list[tuple[tuple[int, ...], int]]:
+    """(shape, bytes) of every float32 activation the backward of a scanned, "dots" step keeps."""
+    cfg = dataclasses.replace(CFG, precision=precision)
+    params = jax.eval_shape(lambda: vit_ref.init(jax.random.key(0), cfg))
+    images = jnp.zeros((BATCH, CFG.image, CFG.image, CFG.channels))
+    labels = jnp.zeros((BATCH,), jnp.int32)
+    loss = lambda p: vit_ref.loss_fn(p, images, labels, cfg, None, "dots")  # noqa: E731
+    saved = saved_residuals(loss, params)
+    return [
+        (aval.shape, aval.size * 4)
+        for aval, why in saved
+        if aval.dtype == jnp.float32 and "argument" not in why
+    ]
+
+
+def test_big_vision_precision_keeps_no_float32_residual_stream_per_layer() -> None:
+    """ "wide" saves the float32 residual stream of every layer ([depth, b, t, d], the scan's
+    carry); "big_vision" saves it in bf16: exactly that stack's float32 bytes are gone."""
+    stack = (CFG.depth, BATCH, CFG.num_tokens, CFG.dim)
+    wide, big_vision = _saved_float32("wide"), _saved_float32("big_vision")
+    assert [shape for shape, _ in wide].count(stack) == 1
+    assert not [shape for shape, _ in big_vision if len(shape) == 4]
+    gone = sum(b for _, b in wide) - sum(b for _, b in big_vision)
+    assert gone == 4 * CFG.depth * BATCH * CFG.num_tokens * CFG.dim  # 1,048,576 bytes
+
+
 def test_the_default_train_step_recomputes_the_elementwise_work() -> None:
     default = inspect.signature(vit_ref.make_train_step).parameters["remat"].default
     assert default == "dots"
 
 
-def test_every_policy_computes_the_same_loss_and_gradients() -> None:
-    """Recomputation changes what is kept, not what is computed (float32, full precision)."""
+def test_every_policy_and_layer_loop_computes_the_same_loss_and_gradients() -> None:
+    """Recomputation and unrolling change what is kept, not what is computed (float32)."""
     cfg = vit_ref.ViTConfig(
         image=16, patch=4, channels=3, classes=5, dim=32, depth=2, heads=4, mlp_dim=64,
         head_zeroinit=False,
@@ -57,11 +96,11 @@ def test_every_policy_computes_the_same_loss_and_gradients() -> None:
     params = vit_ref.init(jax.random.key(0), cfg)
     images = jax.random.normal(jax.random.key(1), (4, 16, 16, 3))
     labels = jnp.arange(4) % cfg.classes
-    grads = {
-        policy: jax.grad(vit_ref.loss_fn)(params, images, labels, cfg, None, policy)
-        for policy in ("none", "dots", "full")
-    }
-    for policy in ("dots", "full"):
+    grad = jax.grad(vit_ref.loss_fn)
+    grads = {p: grad(params, images, labels, cfg, None, p) for p in ("none", "dots", "full")}
+    grads["unrolled"] = grad(params, images, labels, cfg, None, "none", "unrolled")
+    grads["unrolled dots"] = grad(params, images, labels, cfg, None, "dots", "unrolled")
+    for policy in ("dots", "full", "unrolled", "unrolled dots"):
         for a, b in zip(
             jax.tree.leaves(grads[policy]), jax.tree.leaves(grads["none"]), strict=True
         ):

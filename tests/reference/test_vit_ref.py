@@ -254,3 +254,27 @@ def test_wrong_image_shape_is_a_clear_error():
 def test_optimizer_is_adamw():
     opt = vit_ref.make_optimizer(1e-3)
     assert isinstance(opt, optax.GradientTransformation)
+
+
+@pytest.mark.parametrize(("scores", "widest"), [(None, "f32"), (jnp.bfloat16, "bf16")])
+def test_attention_scores_stay_in_the_dtype_asked_for(scores, widest) -> None:
+    """bf16 q, k, v: the [b, h, q, s] logits and softmax are float32 by default and bf16 when
+    asked ("big_vision"); a float64 NumPy scale would silently promote them to float32."""
+    q = jnp.ones((2, 5, 3, 4), jnp.bfloat16)
+    jaxpr = str(jax.make_jaxpr(lambda q: ref_model.attention_core(q, q, q, scores=scores))(q))
+    assert f"{widest}[2,3,5,5] = dot_general" in jaxpr  # the logits
+    assert f"{widest}[2,3,5,5] = div" in jaxpr  # the probabilities
+
+
+def test_big_vision_precision_runs_the_residual_stream_in_bf16() -> None:
+    cfg = dataclasses.replace(TINY, dtype="bfloat16", precision="big_vision")
+    params = vit_ref.init(jax.random.key(0), cfg)
+    _, inter = vit_ref.forward(params, images_for(cfg), cfg)
+    assert inter["embedding"].dtype == inter["block_0"].dtype == jnp.bfloat16
+    wide = dataclasses.replace(cfg, precision="wide")
+    assert vit_ref.forward(params, images_for(cfg), wide)[1]["block_0"].dtype == jnp.float32
+
+
+def test_unknown_precision_is_one_sentence() -> None:
+    with pytest.raises(ValueError, match="precision='bf16' is not one of wide, big_vision"):
+        dataclasses.replace(TINY, precision="bf16")

@@ -51,7 +51,7 @@ collectives, the term says so: the step-end all-reduces over the same devices (g
 and the loss) run as ONE combined op (the all-reduce combiner); and identical collectives left
 outside loops are merged (CSE). Under
 ``plan.remat`` the rematerialised forward re-runs its collectives, except those whose results
-the backward does not read. With remat on a one-layer model XLA merges an unpredictable part
+the backward does not read. With remat and no layer loop XLA merges an unpredictable part
 of the re-run with the forward, so there the terms are an upper bound (``Expectation.exact``).
 bfloat16 compute: CPU XLA widens bf16 collectives to float32, so every activation collective
 is priced at 4 bytes per element on ``platform="cpu"``.
@@ -79,14 +79,20 @@ from shardkit.models.vit.plan import TokenSplit, schedule
 from shardkit.parallel import pipeline
 
 
+def loopless(cfg: vit_ref.ViTConfig, plan: Plan) -> bool:
+    """Whether the compiled step has no layer loop: one layer, or the layers unrolled."""
+    return cfg.depth == 1 or plan.layers == "unrolled"
+
+
 @dataclasses.dataclass(frozen=True)
 class ViTExpectation(Expectation):
     """The expected collectives of one ``ShardedViT`` train step for (cfg, plan, batch).
 
-    ``exact`` is False for remat on a one-layer model: with no layer loop left between them
-    (JAX adds no CSE barrier to a remat inside ``scan``), XLA merges some of the re-run
-    forward's collectives with the forward's, how many depending on its pass order. The terms
-    are then an upper bound, and ``compare(..., exact=False)`` checks measured <= expected.
+    ``exact`` is False for remat without a layer loop (one layer, or ``plan.layers`` unrolled):
+    with no loop left between them (JAX adds no CSE barrier to a remat inside ``scan``), XLA
+    merges some of the re-run forward's collectives with the forward's, how many depending on
+    its pass order. The terms are then an upper bound, and ``compare(..., exact=False)``
+    checks measured <= expected.
     """
 
     cfg: vit_ref.ViTConfig
@@ -96,11 +102,11 @@ class ViTExpectation(Expectation):
 
     @property
     def exact(self) -> bool:
-        return not (self.plan.recompute and self.cfg.depth == 1)
+        return not (self.plan.recompute and loopless(self.cfg, self.plan))
 
     @property
     def bound_why(self) -> str:
-        return "remat on one layer"
+        return "remat without a layer loop"
 
     @property
     def axis_sizes(self) -> dict[str, int]:
@@ -319,8 +325,9 @@ def _ring_terms(g: Geometry) -> list[Term]:
     In USP the ring runs on h_X/u heads of u·t tokens: the same E.
     remat: the re-run forward sends K and V round again, 2·l·(r−1) hops; when r = 2 its one
     hop is the backward's first hop exactly (both loops have one trip and vanish), and XLA
-    merges the two (0 extra). Likewise with l = 1 and r = 2 (no remat) no loop is left between
-    the forward's hop and the backward's identical one: merged, 0 backward K/V hops.
+    merges the two (0 extra). Likewise with r = 2 (no remat) and no layer loop (l = 1, or the
+    layers unrolled) nothing is left between the forward's hop and the backward's identical
+    one: merged, 0 backward K/V hops.
     """
     if g.ring_axis is None:
         return []
@@ -328,7 +335,7 @@ def _ring_terms(g: Geometry) -> list[Term]:
     # Every hop (K, V and the dK, dV accumulators) goes from ring position i to i + 1.
     hop = functools.partial(term, g, "collective-permute", [g.ring_axis], step=1)
     redo = 2 * layers * (r - 1) if g.plan.recompute and r > 2 else 0
-    merged = layers == 1 and r == 2 and not g.plan.recompute
+    merged = loopless(g.cfg, g.plan) and r == 2 and not g.plan.recompute
     again = 0 if merged else 2 * layers * (r - 1)
     return [
         *hop(

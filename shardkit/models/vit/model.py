@@ -9,7 +9,7 @@ Inside the single ``shard_map`` of a step, per device (scaling-book notation, X 
 S = the token axes of the sp mode, B split over data):
 
   images[B_data, H, W, C] -> embed (whole sequence) -> x[B_data, T_S, D]   (slice own tokens)
-  per block (lax.scan over stacked layers; FSDP all-gathers the layer's weights first):
+  per block (scanned or unrolled over the stacked layers; FSDP all-gathers its weights first):
     x + attention_tp(LN(x)) over X, its core over S (local / ring / Ulysses / USP)
     x + mlp_tp(LN(x)) over X
   LN -> pool: psum over S of the class token or of the valid tokens -> pooled[B_data, D]
@@ -164,14 +164,15 @@ def _embed_local(p: Params, images: Array, cfg: vit_ref.ViTConfig, lay: Layout) 
     return jax.lax.dynamic_slice_in_dim(x, start, lay.local_tokens, axis=1)
 
 
-def _attention_core(lay: Layout, key_valid: Array | None) -> AttentionCore:
+def _attention_core(cfg: vit_ref.ViTConfig, lay: Layout, key_valid: Array | None) -> AttentionCore:
     """The attention run on local heads: q, k, v[B, T_S, H_X, K] -> o[B, T_S, H_X, K].
 
     ``key_valid`` is the local attention's mask (Megatron-SP: over all tokens, built locally).
     The sequence-parallel cores mask padding by position (``num_valid``): nothing is sent.
     """
-    if lay.attention == "local":
-        return lambda q, k, v: sp.attention_local(q, k, v, key_valid)[0]
+    if lay.attention == "local":  # the reference's core: the same numerics, the same speed
+        mask = None if key_valid is None else key_valid[None]
+        return lambda q, k, v: ref.attention_core(q, k, v, mask, ref.softmax_dtype(cfg))
     num_valid = lay.num_tokens if lay.padded else None
     cores: dict[str, Callable[..., tuple[Array, Array]]] = {
         "ring": functools.partial(sp.attention_ring, axis="seq"),
@@ -191,7 +192,7 @@ def _block_local(
     dtype = ref.compute_dtype(cfg)
     model = "model" if lay.mesh.shape["model"] > 1 else None
     token_dim = 1 if lay.megatron else None
-    core = _attention_core(lay, key_valid)
+    core = _attention_core(cfg, lay, key_valid)
     h = ref.layer_norm(x, p["ln1"])
     x = x + attention_tp(h, p["attn"], model, core, dtype, token_dim=token_dim).astype(x.dtype)
     h = ref.layer_norm(x, p["ln2"])
@@ -207,7 +208,8 @@ def _encoder_local(
     gather: bool = True,
     frags: Params | None = None,
 ) -> Array:
-    """lax.scan over the stacked layers; FSDP gathers each layer's weights inside the body
+    """The stacked layers, scanned or unrolled (``plan.layers``); FSDP gathers each layer's
+    weights inside the body
     (``gather=False``: the blocks are whole already, as a pipeline chunk's are). ZeRO-2: the
     gradients go to ``frags`` (the blocks' slices), each layer's reduce-scattered in its own
     backward step."""
@@ -221,16 +223,14 @@ def _encoder_local(
 
     zero_dims = sharded.gather_dims(state_specs(cfg, plan)["blocks"], "data", drop_leading=1)
 
-    def body(x: Array, layer: tuple[Params, Params | None]) -> tuple[Array, None]:
+    def body(x: Array, layer: tuple[Params, Params | None]) -> Array:
         p_layer, f_layer = layer
         p_layer = dp.fsdp_gather(p_layer, dims)
         if f_layer is not None:
             p_layer = dp.zero_attach(p_layer, f_layer, zero_dims)
-        return _block_local(x, p_layer, key_valid, cfg, lay), None
+        return _block_local(x, p_layer, key_valid, cfg, lay)
 
-    if plan.recompute:
-        body = ref.remat_block(body, plan.remat)
-    x, _ = jax.lax.scan(body, x, (blocks, frags))
+    x, _ = ref.run_layers(ref.remat_block(body, plan.remat), x, (blocks, frags), plan.layers)
     return x
 
 
@@ -353,7 +353,7 @@ class ShardedViT(sharded.ShardedModel):
             batch_specs=(self.batch_spec, self.batch_spec),
             token_axes=self.layout.token_axes,
             token_free=TOKEN_FREE,
-            gather=False,  # one layer at a time, inside the scan
+            gather=False,  # one layer at a time, inside the layer loop
             zero=plan.zero or 3,  # no rule splits over data below ZeRO-1
         )
 
@@ -368,7 +368,7 @@ class ShardedViT(sharded.ShardedModel):
         )
         return (
             f"ShardedViT(mesh={format_mesh(self.plan.mesh)}, sp={self.plan.sp!r}, "
-            f"zero={self.plan.zero}, remat={self.plan.remat}{pp})"
+            f"zero={self.plan.zero}, remat={self.plan.remat}, layers={self.plan.layers}{pp})"
         )
 
     @property

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from hypothesis import strategies as st
 
 import vit_ref
-from shardkit.mesh import REMAT_POLICIES, ZERO_LEVELS, Plan
+from shardkit.mesh import LAYER_LOOPS, REMAT_POLICIES, ZERO_LEVELS, Plan
 from shardkit.parallel.pipeline.schedules import SCHEDULES
 from shardkit.testing import DEFAULT_AXES, meshes
 
@@ -67,9 +67,10 @@ def sharded_cases(
     """(cfg, plan, batch) that fit each other: every divisibility constraint holds.
 
     ``zero`` (the ZeRO level, 3 = FSDP; any level needs data > 1) / ``remat``: None draws
-    them. For ``usp`` the Ulysses degree u is drawn among the
-    divisors of the seq size (heads per model shard then divide by u) and given explicitly or
-    left to the automatic choice, so true hybrids (1 < u < seq) occur, not only the pure ends.
+    them; the layer loop (scan or unrolled) is always drawn. For ``usp`` the Ulysses degree
+    u is drawn among the divisors of the seq size (heads per model shard then divide by u)
+    and given explicitly or left to the automatic choice, so true hybrids (1 < u < seq)
+    occur, not only the pure ends.
     ``megatron`` draws a seq axis too (tokens over seq × model), with its inner core a ring
     or, given u explicitly, Ulysses / USP.
     """
@@ -98,7 +99,8 @@ def sharded_cases(
     heads_multiple = mesh["model"] * ulysses
     cfg = draw(vit_configs(heads_multiple, mesh["model"], mesh["data"] if zero else 1))
     batch = mesh["data"] * draw(st.integers(1, 2))
-    plan = Plan(mesh, sp=sp, ulysses=explicit_ulysses, zero=zero, remat=use_remat)
+    layers = draw(st.sampled_from(LAYER_LOOPS))
+    plan = Plan(mesh, sp=sp, ulysses=explicit_ulysses, zero=zero, remat=use_remat, layers=layers)
     return cfg, plan, batch
 
 
