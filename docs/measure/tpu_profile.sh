@@ -8,6 +8,8 @@ PIP_CONFIG_FILE=/dev/null python3 -m pip install -q --isolated --only-binary=:al
   --index-url file:///opt/pypi/simple --target /tmp/site optax einops jaxtyping tqdm flax \
   2>&1 | grep -v "^WARNING" || true
 export PYTHONPATH=${PYTHONPATH:-}:/tmp/site:$PWD PYTHONUNBUFFERED=1
+python3 docs/measure/tpu_profile.py --batch 32 --out "$OUT" \
+  bigvision loop,remat=none,res=bf16,scores=bf16 2>&1 | grep -v "^WARNING" | tee "$OUT/profile.txt"
 python3 docs/measure/tpu_bigvision.py --batches 32 | tee "$OUT/bigvision.txt"
 python3 docs/measure/tpu_vit_variants.py --batch 32 \
   loop,remat=none,res=bf16,attn=flax \
