@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from shardkit import ShardedModel, lm, sequence, tensor, testing  # noqa: E402
+from shardkit import ShardedModel, lm, sequence, tensor, testing, vma  # noqa: E402
 from shardkit.parallel.sequence import layouts  # noqa: E402
 
 with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints the Zen
@@ -133,6 +133,7 @@ def sharded_gpt(mesh, layout, core="ring", fsdp=False, dims=DIMS):
     def loss_local(p, x, y):  # this device's share of the mean next-token cross-entropy
         rope = lm.rope(layouts.local_positions(layout, sp, x.shape[1]))  # GLOBAL positions
 
+        @vma.checked_block  # a forgotten row-parallel reduction is named here, at trace time
         def block(h, b):
             a = tensor.attention_tp(lm.rms_norm(h, b["norm1"]), b["attn"], tp, causal_core,
                                     rope=rope, kv_repeat=kv_repeat)  # fmt: skip

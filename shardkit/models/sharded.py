@@ -25,6 +25,11 @@ The generic layer under every sharded model here (``ShardedViT`` is one user of 
   pipeline     a ``staged.Stages``: the model cut into embed / stage / loss functions and
                run by a pipeline schedule over ``stage`` (``models.staged`` says how); the
                batch is then (inputs, targets).
+  compute_dtype  mixed precision: ``"bfloat16"`` hands ``loss_local`` its params cast to bf16
+               (after any FSDP gather, so the bytes moved are the plan's), while the params,
+               gradients and optimizer state stay float32; ``keep_float32`` lists path
+               prefixes of leaves that stay float32 (norm scales, say). What the forward
+               computes in which dtype beyond its params is ``loss_local``'s choice.
 
 and get, per leaf, its ``PartitionSpec``, the axes its gradient is a partial sum over
 (``sync_axes``), the dim FSDP gathers (``gather_dims``), the optimizer state sharded like the
@@ -52,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -247,6 +253,8 @@ class ShardedModel:
         gather: bool = True,
         zero: int = 3,
         pipeline: staged.Stages | None = None,
+        compute_dtype: str | None = None,
+        keep_float32: Sequence[str] = (),
     ) -> None:
         missing = [a for a in (*batch_axes, *token_axes) if a not in mesh.shape]
         if missing:
@@ -257,6 +265,9 @@ class ShardedModel:
             raise PlanError("Give loss_local (or a pipeline, whose stages compute the loss).")
         if zero not in (1, 2, 3):
             raise PlanError(f"zero must be 1, 2 or 3 (the ZeRO level), got {zero!r}.")
+        if compute_dtype not in (None, "float32", "bfloat16"):
+            raise PlanError(f"compute_dtype must be float32 or bfloat16, got {compute_dtype!r}.")
+        self.compute_dtype, self.keep_float32 = compute_dtype, tuple(keep_float32)
         self.mesh, self.param_axes = mesh, param_axes
         self.loss_local = loss_local  # None for a pipelined model: its stages compute it
         self.rules = mesh_rules(rules, mesh)
@@ -269,6 +280,7 @@ class ShardedModel:
         self.token_axes = tuple(token_axes)
         default = P(self.batch_axes) if self.batch_axes else P()
         self.batch_specs = tuple(batch_specs) if batch_specs is not None else (default,)
+        _warn_unsplit_batch(self.batch_specs, self.batch_axes)
         self.sync_axes = grad_sync_axes(self.state_specs, mesh, batch_axes, token_axes, token_free)
         self.gather = gather
         self.pipeline = pipeline
@@ -366,7 +378,21 @@ class ShardedModel:
         if self.gather and self.batch_axes:
             params = dp.fsdp_gather(params, self.gather_dims(), self.batch_axes[0])
         assert self.loss_local is not None, "a pipelined model's loss runs in staged.grads_local"
-        return self.loss_local(params, *batch)
+        return self.loss_local(self.compute_params(params), *batch)
+
+    def compute_params(self, params: PyTree) -> PyTree:
+        """``params`` as the forward sees them: float leaves cast to ``compute_dtype`` but
+        those under a ``keep_float32`` prefix (autodiff casts the gradients back)."""
+        if self.compute_dtype in (None, "float32"):
+            return params
+        dtype = jnp.dtype(self.compute_dtype)
+
+        def cast(path: tuple[Any, ...], x: Array) -> Array:
+            name = leaf_path(path)
+            keep = any(name == k or name.startswith(k + "/") for k in self.keep_float32)
+            return x if keep or not jnp.issubdtype(x.dtype, jnp.floating) else x.astype(dtype)
+
+        return jax.tree_util.tree_map_with_path(cast, params)
 
     def zero2_loss_local(self, frags: PyTree, params: PyTree, *batch: Array) -> Array:
         """ZeRO-2's loss: ``loss_local`` on ``params`` whose gradients go to ``frags``,
@@ -506,6 +532,19 @@ class ShardedModel:
             )
 
         return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _warn_unsplit_batch(batch_specs: Sequence[P], batch_axes: Axes) -> None:
+    """Warns (once per call site) for a batch input whose spec splits no batch axis: every
+    replica along them would get the whole input and data parallelism be off, silently."""
+    for i, spec in enumerate(batch_specs):
+        if batch_axes and not set(_spec_axes(spec)) & set(batch_axes):
+            warnings.warn(
+                f"batch_specs[{i}] = {spec} splits no batch axis ({', '.join(batch_axes)}): "
+                f"every replica along it gets the whole input, so data parallelism is off for "
+                f"it (split dim 0 over {batch_axes[0]!r}, e.g. P({batch_axes[0]!r})).",
+                stacklevel=3,
+            )
 
 
 def _without(specs: PyTree, axes: Axes) -> PyTree:

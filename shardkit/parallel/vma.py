@@ -62,6 +62,43 @@ def vary_tree(tree: Any, axes: Axis | Iterable[str]) -> Any:
     return jax.tree.map(lambda x: vary(x, axes), tree)
 
 
+# ------------------------------------------------------------------ block boundaries
+
+
+class UnreducedError(ValueError):
+    """A block returned a value varying over a mesh axis its input was invariant over."""
+
+
+def checked_block(fn: F) -> F:
+    """Decorates a residual block ``fn(x, *rest) -> x'`` (or ``(x', aux)``, a scan body) so
+    that an output varying over a mesh axis the input ``x`` is invariant over raises
+    ``UnreducedError`` naming ``fn`` and the axis, at trace time.
+
+    That is the type of a row-parallel partial sum left unreduced (``x + y`` with ``y`` never
+    passed through ``tensor.exit_tp``): without the check it surfaces one block later, as
+    JAX's scan-carry type error (whose hint, a cast on the carry, would hide the bug), or not
+    at all in an unrolled loop, summed n times over the axis by the loss. A block's output
+    must vary exactly like its input, so the check costs nothing and misses nothing of this
+    kind.
+    """
+
+    @functools.wraps(fn)
+    def block(x: jax.Array, *args: Any, **kwargs: Any) -> Any:
+        out = fn(x, *args, **kwargs)
+        y = out[0] if isinstance(out, tuple) else out
+        extra = sorted(varying_axes(y) - varying_axes(x))
+        if extra:
+            axes = ", ".join(repr(a) for a in extra)
+            raise UnreducedError(
+                f"{getattr(fn, '__qualname__', fn)} returns a value varying over {axes} from "
+                f"an input invariant over it: a partial sum left unreduced (end each "
+                f"row-parallel region with tensor.exit_tp / dense_row, or psum over {axes})."
+            )
+        return out
+
+    return block  # type: ignore[return-value]
+
+
 # ------------------------------------------------------------------ outside shard_map
 
 

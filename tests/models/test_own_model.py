@@ -9,6 +9,7 @@ layer's own errors: each names the leaf, the dim, the axis, and the mistakes it 
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from pathlib import Path
 
 import jax
@@ -143,3 +144,47 @@ def test_errors_name_the_leaf_dim_and_axis():
         with pytest.raises(PlanError, match=r"The params have 1 leaves but param_axes names 1"
                            r"|has 2 dims"):  # fmt: skip
             ShardedModel(mesh, short, {}, lambda p: 0.0).shard({"w": jax.numpy.zeros((2, 2))})
+
+
+def test_a_batch_spec_that_splits_no_batch_axis_warns_once():
+    """Leaving data out of a batch spec turns data parallelism off for that input, silently
+    correct but n times the work: ShardedModel says so when it is built."""
+    mesh = shardkit.make_mesh({"data": 2, "model": 4})
+    axes = own.param_axes(LAYERS)
+    with pytest.warns(UserWarning, match=r"batch_specs\[1\] = P\(\) splits no batch "
+                      r"axis \(data\)") as record:  # fmt: skip
+        ShardedModel(mesh, axes, own.RULES, lambda p, x, y: 0.0, batch_specs=(P("data"), P()))
+    assert len(record) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ShardedModel(mesh, axes, own.RULES, lambda p, x, y: 0.0)  # the default splits dim 0
+
+
+def test_mixed_precision_hands_the_forward_bf16_params_and_keeps_float32_state():
+    """compute_dtype="bfloat16": loss_local sees bf16 params (but the kept prefixes), the
+    gradients and the optimizer state stay float32, and the sharded model equals its twin
+    given the same cast params within 1e-2: each bf16 param's gradient is rounded to bf16 (the
+    cast's transpose) per device before the sum over data and seq, the twin's once (3.3e-3
+    measured). The example mixes bf16 params with float32 inputs, which
+    strict promotion (on in the tests) refuses: standard promotion here, as a user runs."""
+    shape, d = {"data": 2, "seq": 2, "model": 2}, dict(batch=2, tokens=4, dim=8, heads=2, mlp=8)
+    with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
+        mesh, base, params, (x, y) = build(shape, d)
+        seen = {}
+
+        def loss_local(p, *batch):
+            seen.update({k: v.dtype for k, v in jax.tree_util.tree_leaves_with_path(p)})
+            return base.loss_local(p, *batch)
+
+        model = ShardedModel(mesh, own.param_axes(LAYERS), own.RULES, loss_local,
+                             batch_specs=base.batch_specs, token_axes=("seq",),
+                             compute_dtype="bfloat16",
+                             keep_float32=("blocks/ln1", "blocks/ln2"))  # fmt: skip
+        twin = lambda p, x, y: own.twin_loss(model.compute_params(p), x, y)  # noqa: E731
+        testing.compare_sharded(model.loss_and_grads, twin, params, x, y,
+                                place=model.shard, tol=1e-2).assert_ok()  # fmt: skip
+        kept = {k: v for k, v in seen.items() if "'ln" in jax.tree_util.keystr(k)}
+        assert kept and all(v == jax.numpy.float32 for v in kept.values())
+        assert {v for k, v in seen.items() if k not in kept} == {jax.numpy.dtype("bfloat16")}
+        _, grads = model.loss_and_grads(model.shard(params), *model.shard_batch(x, y))
+        assert {g.dtype for g in jax.tree.leaves(grads)} == {jax.numpy.dtype("float32")}

@@ -80,6 +80,7 @@ from shardkit.models.vit.plan import (
 from shardkit.parallel import data as dp
 from shardkit.parallel import pipeline as pl
 from shardkit.parallel import sequence as sp
+from shardkit.parallel import vma
 from shardkit.parallel.collectives import all_gather
 from shardkit.parallel.tensor import attention_tp, mlp_tp
 from vit_ref import model as ref
@@ -223,6 +224,7 @@ def _encoder_local(
 
     zero_dims = sharded.gather_dims(state_specs(cfg, plan)["blocks"], "data", drop_leading=1)
 
+    @vma.checked_block
     def body(x: Array, layer: tuple[Params, Params | None]) -> Array:
         p_layer, f_layer = layer
         p_layer = dp.fsdp_gather(p_layer, dims)
