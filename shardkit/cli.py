@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
     inspect.add_argument("--hlo", metavar="FILE", help="write the compiled HLO text here")
     inspect.add_argument("--plot", metavar="FILE.png", help="draw the collective pattern here")
+    inspect.add_argument(
+        "--target",
+        metavar="TOPOLOGY",
+        help="compile for a TPU slice, e.g. v5e:2x4 (needs libtpu: shardkit[tpu]; no chip): "
+        "the TPU compiler's collectives, and the memory against the chip's HBM",
+    )
     _add_train_parser(sub)
     _add_bench_parser(sub)
     _add_launch_parser(sub)
@@ -331,6 +337,10 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    if args.target:
+        from shardkit.run import target
+
+        target.prepare_environment()  # before JAX starts: the CPU backend, libtpu shareable
     from shardkit.run import inspect
 
     _setup_devices(args.devices)
@@ -339,10 +349,19 @@ def run_inspect(args: argparse.Namespace) -> int:
     from shardkit.run import config
 
     cfg = model_config(args)
-    model = config.build(cfg, plan_from_args(args), args.batch)
+    plan = plan_from_args(args)
+    devices = None
+    if args.target:
+        devices = target.topology_devices(args.target)
+        if plan.num_devices != devices.size:
+            raise UsageError(
+                f"--target {args.target} has {devices.size} chips but the mesh uses "
+                f"{plan.num_devices}; give a --mesh of {devices.size} devices."
+            )
+    model = config.build(cfg, plan, args.batch, devices)
     _note(cfg, model.plan)
     print(inspect.run(model, args.batch, as_json=args.json, hlo_path=args.hlo,
-                      plot_path=args.plot))  # fmt: skip
+                      plot_path=args.plot, target=args.target))  # fmt: skip
     return 0
 
 

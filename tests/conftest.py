@@ -7,6 +7,22 @@ inside CI's budget; ``thorough`` runs many more examples:
 
 import os
 
+# libtpu (the tpu extra, for inspect --target) is installed: keep every test process's own
+# backend on the CPU, and let several processes load libtpu to compile (it locks otherwise).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# XLA:CPU aborts a collective whose 8 device threads do not all arrive within 40 s: on 2 busy
+# cores (two workers, each running 8-device programs and subprocesses) one thread was once
+# starved that long (an example's collective-permute, exit -6). 300 s for the tests and the
+# processes they start; a real deadlock still ends, and the examples' hang guard is 600 s.
+os.environ["XLA_FLAGS"] = " ".join(
+    [
+        os.environ.get("XLA_FLAGS", ""),
+        "--xla_cpu_collective_call_terminate_timeout_seconds=300",
+        "--xla_cpu_collective_call_warn_stuck_timeout_seconds=120",
+    ]
+).strip()
+
 import jax
 import pytest
 from hypothesis import HealthCheck, settings

@@ -6,8 +6,10 @@ Model-free and collective-free: ``comm.ledger`` builds its records from what thi
   attributes), and the ENTRY computation.
 - ``executions(computations, entry)``: runs of each computation per call of the program,
   following ``calls=``, ``to_apply=``, ``body=``, ``condition=`` and branch computations; a
-  ``while`` body runs its ``known_trip_count`` times (its condition once more); a loop without
-  one counts once and is marked inexact.
+  ``while`` body runs its ``known_trip_count`` times (its condition once more); without one
+  (the TPU compiler drops it), the count is read from the loop itself when it is a counted
+  loop (``loop_trip_count``: ``i < N`` on a tuple element that starts at a constant and steps
+  by 1); a loop of any other form counts once and is marked inexact.
 - ``replica_groups`` (every printed spelling: explicit lists, ``{}``, iota ``[4,2]<=[8]``,
   transposed iota, ``mesh[...]{axes}`` with sub-axes), ``pairs`` (``source_target_pairs``),
   ``linked_size``.
@@ -39,6 +41,7 @@ class Instruction:
     shape: str
     opcode: str
     attrs: str
+    operands: str = ""  # the text between the opcode's parentheses
 
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->.*)?\{\s*$")
@@ -78,7 +81,8 @@ def _parse_instruction(line: str) -> Instruction | None:
     if op is None:
         return None
     end = _closing(rest, op.end() - 1)
-    return Instruction(match.group(1), shape, op.group(1), rest[end + 1 :])
+    operands = rest[op.end() : end]
+    return Instruction(match.group(1), shape, op.group(1), rest[end + 1 :], operands)
 
 
 def _closing(text: str, start: int) -> int:
@@ -141,20 +145,90 @@ _CALL = re.compile(
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 
 
-def _callees(instr: Instruction) -> list[tuple[str, int, bool]]:
-    """(computation, runs per run of ``instr``, whether that number is known) per callee."""
+def _callees(instr: Instruction, trips: int | None = None) -> list[tuple[str, int, bool]]:
+    """(computation, runs per run of ``instr``, whether that number is known) per callee;
+    ``trips``: a ``while``'s trip count when its attributes do not say it."""
     if instr.opcode.endswith(("-update", "-done")):  # the start already called it
         return []
-    trip = _TRIP_COUNT.search(instr.attrs) if instr.opcode == "while" else None
+    known = _TRIP_COUNT.search(instr.attrs) if instr.opcode == "while" else None
+    trips = int(known.group(1)) if known else trips
     out = []
     for key, value in _CALL.findall(instr.attrs):
         for callee in re.findall(r"%?([\w.\-]+)", value.strip("{}")):
             if instr.opcode == "while" and key in ("body", "condition"):
-                runs = int(trip.group(1)) + (key == "condition") if trip else 1
-                out.append((callee, runs, trip is not None))
+                runs = trips + (key == "condition") if trips is not None else 1
+                out.append((callee, runs, trips is not None))
             else:
                 out.append((callee, 1, True))
     return out
+
+
+def _operand_names(instr: Instruction) -> list[str]:
+    return re.findall(r"%([\w.\-]+)", instr.operands)
+
+
+def _int_constant(instr: Instruction | None) -> int | None:
+    if instr is None or instr.opcode != "constant" or not re.match(r"[su]\d+\[\]", instr.shape):
+        return None
+    return int(instr.operands) if re.fullmatch(r"-?\d+", instr.operands.strip()) else None
+
+
+def _tuple_index(instr: Instruction | None) -> int | None:
+    """k for ``get-tuple-element(param), index=k``, else None."""
+    if instr is None or instr.opcode != "get-tuple-element":
+        return None
+    found = re.search(r"index=(\d+)", instr.attrs)
+    return int(found.group(1)) if found else None
+
+
+def _callee(instr: Instruction, key: str) -> str | None:
+    found = re.search(rf"(?<![\w]){key}=%?([\w.\-]+)", instr.attrs)
+    return found.group(1) if found else None
+
+
+def loop_trip_count(
+    loop: Instruction, caller: list[Instruction], computations: dict[str, list[Instruction]]
+) -> int | None:
+    """The trip count of a counted ``while`` (the form ``lax.scan`` / ``fori_loop`` lower to):
+    its condition is ``element k < N`` (constant N), element k of its initial tuple is a
+    constant c, and its body returns ``element k + 1``: N − c. None for any other form."""
+    cond = {i.name: i for i in computations.get(_callee(loop, "condition") or "", [])}
+    body = computations.get(_callee(loop, "body") or "", [])
+    for compare in cond.values():
+        names = _operand_names(compare)
+        if compare.opcode != "compare" or "direction=LT" not in compare.attrs or len(names) != 2:
+            continue
+        k, bound = _tuple_index(cond.get(names[0])), _int_constant(cond.get(names[1]))
+        if k is None or bound is None:
+            continue
+        start = _initial_element(loop, caller, k)
+        if start is not None and _steps_by_one(body, k) and bound > start:
+            return bound - start
+    return None
+
+
+def _initial_element(loop: Instruction, caller: list[Instruction], k: int) -> int | None:
+    by_name = {i.name: i for i in caller}
+    init = by_name.get(next(iter(_operand_names(loop)), ""))
+    if init is None or init.opcode != "tuple":
+        return None
+    names = _operand_names(init)
+    value = by_name.get(names[k]) if k < len(names) else None
+    while value is not None and value.opcode == "copy":  # the TPU compiler copies the start
+        value = by_name.get(next(iter(_operand_names(value)), ""))
+    return _int_constant(value)
+
+
+def _steps_by_one(body: list[Instruction], k: int) -> bool:
+    """Whether the body's result tuple holds ``element k + 1`` at index k."""
+    by_name = {i.name: i for i in body}
+    tuples = [i for i in body if i.opcode == "tuple"]
+    names = _operand_names(tuples[-1]) if tuples else []  # the ROOT tuple comes last
+    step = by_name.get(names[k]) if k < len(names) else None
+    if step is None or step.opcode != "add" or len(_operand_names(step)) != 2:
+        return False
+    a, b = (by_name.get(n) for n in _operand_names(step))
+    return any(_tuple_index(x) == k and _int_constant(y) == 1 for x, y in ((a, b), (b, a)))
 
 
 def executions(
@@ -164,7 +238,10 @@ def executions(
     callers: dict[str, list[tuple[str, int, bool]]] = {}
     for comp, instructions in computations.items():
         for instr in instructions:
-            for callee, runs, exact in _callees(instr):
+            trips = None
+            if instr.opcode == "while" and not _TRIP_COUNT.search(instr.attrs):
+                trips = loop_trip_count(instr, instructions, computations)
+            for callee, runs, exact in _callees(instr, trips):
                 callers.setdefault(callee, []).append((comp, runs, exact))
     roots = {entry} if entry else {c for c in computations if c not in callers}
     memo: dict[str, tuple[int, bool]] = {}
@@ -361,6 +438,42 @@ def linked_size(pairs: tuple[tuple[int, int], ...]) -> int:
     for i in parent:
         sizes[root(i)] = sizes.get(root(i), 0) + 1
     return max(sizes.values(), default=1)
+
+
+def matmul_computations(computations: dict[str, list[Instruction]]) -> set[str]:
+    """Computations that run a matmul (``dot`` / ``convolution``), directly or through a
+    fusion they call."""
+    found = {c for c, ins in computations.items() if any(i.opcode in _MATMULS for i in ins)}
+    grew = True
+    while grew:
+        grew = False
+        for comp, instructions in computations.items():
+            if comp not in found and any(_calls_any(i, found) for i in instructions):
+                found.add(comp)
+                grew = True
+    return found
+
+
+_MATMULS = ("dot", "convolution")
+
+
+def _calls_any(instr: Instruction, comps: set[str]) -> bool:
+    return any(callee in comps for callee, _, _ in _callees(instr))
+
+
+def overlaps_matmul(instructions: list[Instruction], start: Instruction, matmuls: set[str]) -> bool:
+    """Whether a matmul is scheduled between an async ``start`` and its ``-done`` (the
+    computation's instructions in their scheduled order); False for a synchronous one."""
+    if not start.opcode.endswith("-start"):
+        return False
+    names = [i.name for i in instructions]
+    first = names.index(start.name)
+    for instr in instructions[first + 1 :]:
+        if instr.opcode.endswith("-done") and start.name in _operand_names(instr):
+            return False
+        if instr.opcode in _MATMULS or _calls_any(instr, matmuls):
+            return True
+    return False
 
 
 def collective_kind(instr: Instruction) -> str | None:

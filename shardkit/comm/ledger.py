@@ -113,6 +113,8 @@ class Collective:
         else the explicit groups or pairs. "" without a mesh.
       count_exact: False when an enclosing loop has no known trip count (``count`` then counts
         that loop once).
+      overlapped: an async collective with a matmul scheduled between its start and done
+        (``hlo.overlaps_matmul``): its transfer can hide behind compute.
     """
 
     kind: str
@@ -131,6 +133,7 @@ class Collective:
     source_target_pairs: tuple[tuple[int, int], ...] = ()
     pattern: str = ""
     count_exact: bool = True
+    overlapped: bool = False
 
     @property
     def total_bytes_sent(self) -> float:
@@ -221,6 +224,14 @@ class Ledger:
     def implicit(self) -> list[Collective]:
         """The collectives autodiff inserted for ``check_vma``'s implicit casts (``origin``)."""
         return [c for c in self.collectives if c.origin == "implicit"]
+
+    @property
+    def overlapped_fraction(self) -> float:
+        """The share of the bytes sent by collectives with a matmul scheduled between their
+        start and done (``Collective.overlapped``); 0.0 when nothing is sent."""
+        total = sum(c.total_bytes_sent for c in self.collectives)
+        hidden = sum(c.total_bytes_sent for c in self.collectives if c.overlapped)
+        return hidden / total if total else 0.0
 
     def summary(self) -> dict[tuple[str, tuple[str, ...]], Tally]:
         """(kind, axes) -> executions per call and bytes sent per device (bytes x count)."""
@@ -392,13 +403,16 @@ def parse_hlo(text: str, mesh: AnyMesh | None = None) -> list[Collective]:
     runs = hlo.executions(computations, entry)
     num_devices = mesh.size if mesh is not None else hlo.header_devices(text)
     ctx = _Context(mesh, num_devices, hlo.stack_frames(text))
+    matmuls = hlo.matmul_computations(computations)
     out = []
     for comp, instructions in computations.items():
         count, exact = runs.get(comp, (0, True))
         for instr in instructions if count else ():
             kind = hlo.collective_kind(instr)
             if kind is not None:
-                out.append(_collective(instr, kind, comp, count, exact, ctx))
+                c = _collective(instr, kind, comp, count, exact, ctx)
+                hidden = hlo.overlaps_matmul(instructions, instr, matmuls)
+                out.append(dataclasses.replace(c, overlapped=hidden) if hidden else c)
     return out
 
 

@@ -116,7 +116,8 @@ class Report:
     def mismatches(self) -> list[str]:
         """One sentence per (kind, axes) that breaks the contract; [] when it holds."""
         e, led = self.expectation, self.ledger
-        own = compare(e.summary(), led.summary(), RTOL, exact=e.exact)
+        own = _inexact_counts(led)
+        own += compare(e.summary(), led.summary(), RTOL, exact=e.exact)
         own += compare_patterns(e.patterns(), led.patterns(), led.collectives, RTOL)
         if not self.others:
             return own
@@ -147,6 +148,7 @@ class Report:
             "contract_ok": self.contract_ok,
             "contract_exact": self.expectation.exact,
             "mismatches": self.mismatches,
+            "overlapped_fraction": self.ledger.overlapped_fraction,
             "memory": {
                 "argument": mem.argument if mem else None,
                 "output": mem.output if mem else None,
@@ -186,6 +188,19 @@ def _bound_note(e: Expectation) -> str:
     return f" (an upper bound: {e.bound_why})" if e.bound_why else " (an upper bound)"
 
 
+def _inexact_counts(ledger: Ledger) -> list[str]:
+    """The sentence that refuses a comparison the ledger cannot make: collectives inside a loop
+    whose trip count neither the compiler nor the loop's form gives (each counted once)."""
+    unknown = [c for c in ledger.collectives if not c.count_exact]
+    if not unknown:
+        return []
+    where = ", ".join(sorted({f"{c.kind} over {'×'.join(c.axes) or 'none'}" for c in unknown}))
+    return [
+        f"{len(unknown)} collective(s) ({where}) run in a loop whose trip count could not be "
+        "read (counted once), so counts and bytes cannot be held to the contract."
+    ]
+
+
 def _pair(t: Tally) -> tuple[int, float]:
     return t.count, t.bytes_sent
 
@@ -199,7 +214,8 @@ def _memory_line(ledger: Ledger) -> str:
     if m is None:
         return ""
     mib = 2.0**20
+    hidden = ledger.overlapped_fraction
     return (
         f"memory per device: argument {m.argument / mib:.2f} MiB, output {m.output / mib:.2f} "
         f"MiB, temp {m.temp / mib:.2f} MiB"
-    )
+    ) + (f"\noverlapped with a matmul: {hidden:.0%} of the bytes" if hidden else "")

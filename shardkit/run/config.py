@@ -37,10 +37,10 @@ def check(cfg: vit_ref.ViTConfig, plan: Plan, batch: int | None = None) -> str |
     return zero_note(cfg, plan)
 
 
-def build(cfg: vit_ref.ViTConfig, plan: Plan, batch: int) -> ShardedViT:
-    """``ShardedViT(cfg, plan)`` (which checks the plan) with ``batch`` checked too: every
-    mistake a user can make, in one sentence, before anything compiles."""
-    model = ShardedViT(cfg, plan)
+def build(cfg: vit_ref.ViTConfig, plan: Plan, batch: int, devices: Any = None) -> ShardedViT:
+    """``ShardedViT(cfg, plan, devices)`` (which checks the plan) with ``batch`` checked too:
+    every mistake a user can make, in one sentence, before anything compiles."""
+    model = ShardedViT(cfg, plan, devices)
     model.check_batch(batch)
     return model
 
