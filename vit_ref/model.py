@@ -8,7 +8,8 @@ Dimension alphabet (used in every einsum and shape comment of the project):
   f MLP hidden, p patch features (patch * patch * channels), o output classes, l layers.
 
 Params are a nested dict of arrays. Per-layer params are stacked along a leading ``l`` axis and
-the blocks run under ``lax.scan``. ``param_axes`` gives, for every leaf, its logical axis names;
+the blocks run under ``lax.scan``, or unrolled over the same stack (``forward``'s ``layers``).
+``param_axes`` gives, for every leaf, its logical axis names;
 sharded code maps those names to mesh axes in one rules table instead of scattering specs.
 """
 
