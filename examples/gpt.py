@@ -15,6 +15,10 @@ Zen of Python (it ships with Python: ``this.s``), and sampled from:
                            [--fsdp] [--steps 300] [--verify-plans]
 
 ``--verify-plans`` checks the five plans of docs/llama.md instead of training.
+
+The training loop waits for each step before the next: on XLA:CPU several in-flight
+executions of one 8-device program can deadlock its in-process collectives (seen in CI: 4 of
+8 device threads waiting forever at a collective-permute, the others queued behind them).
 """
 
 import argparse
@@ -228,6 +232,7 @@ def main() -> None:
     for i in range(args.steps):
         batch = model.shard_batch(*order(*windows(rng, args.batch, DIMS["tokens"])))
         p, state, metrics = step(p, state, *batch)
+        jax.block_until_ready(metrics)  # one step in flight: see the module docstring
         if i == 0 or (i + 1) % 100 == 0 or i + 1 == args.steps:
             print(f"step {i + 1:4d}  loss {float(metrics['loss']):.4f}")
     print(f"(uniform over {len(CHARS)} characters: loss {np.log(len(CHARS)):.4f})")

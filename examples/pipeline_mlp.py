@@ -8,6 +8,10 @@ the schedule printed, then trained with the model's own donated train step to fi
 smooth target:
 
     python examples/pipeline_mlp.py [--schedule 1f1b] [--stages 4] [--micro 8] [--virtual 1]
+
+The training loop waits for each step before the next: on XLA:CPU several in-flight
+executions of one 8-device program can deadlock its in-process collectives (seen in CI: 4 of
+8 device threads waiting forever at a collective-permute, the others queued behind them).
 """
 
 import argparse
@@ -118,6 +122,7 @@ def main() -> None:
     batch = model.shard_batch(x, y)
     for i in range(args.steps):
         params, opt_state, metrics = step(params, opt_state, *batch)
+        jax.block_until_ready(metrics)  # one step in flight: see the module docstring
         if i == 0 or (i + 1) % 50 == 0:
             print(f"step {i + 1:4d}  loss {float(metrics['loss']):.5f}")
     print(f"(predicting the mean: loss {float(jnp.var(y)):.5f})")

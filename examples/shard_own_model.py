@@ -9,6 +9,10 @@ loss, every gradient leaf, one AdamW step), held to a contract written from the 
 (``comm.contract``), then trained:
 
     python examples/shard_own_model.py [--mesh data=2,seq=2,model=2] [--steps 150]
+
+The training loop waits for each step before the next: on XLA:CPU several in-flight
+executions of one 8-device program can deadlock its in-process collectives (seen in CI: 4 of
+8 device threads waiting forever at a collective-permute, the others queued behind them).
 """
 
 import argparse
@@ -180,6 +184,7 @@ def main() -> None:
     for i in range(args.steps):
         xb, yb = model.shard_batch(*batch_of(100 + i, d["batch"], d["tokens"], d["d_in"]))
         p, state, metrics = step(p, state, xb, yb)
+        jax.block_until_ready(metrics)  # one step in flight: see the module docstring
         if i in (0, args.steps - 1):
             print(f"step {i + 1:4d}  loss {float(metrics['loss']):.4f}")
     print(f"(predicting 0 everywhere: loss {float(jnp.mean(y**2)):.4f})")
