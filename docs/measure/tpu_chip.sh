@@ -6,12 +6,7 @@
 set -euo pipefail
 WHAT=${1:-bench}
 BATCHES=${2:-32,64,128,256}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-PIP_CONFIG_FILE=/dev/null python3 -m pip install -q --isolated --only-binary=:all: \
-  --index-url file:///opt/pypi/simple --target /tmp/site optax einops jaxtyping tqdm flax \
-  2>&1 | grep -v "^WARNING" || true
-export PYTHONPATH=${PYTHONPATH:-}:/tmp/site:$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/tpu_setup.sh"
 if [[ $WHAT == bench ]]; then
   REMATS=${3:-none}
   json="$OUT/chip_${BATCHES//,/-}_${REMATS//,/-}.json"

@@ -2,12 +2,7 @@
 # On a TPU host: the per-op profile (tpu_profile.py) and the variant timings (tpu_vit_variants.py)
 # behind docs/performance.md. Usage: bash docs/measure/tpu_profile.sh; results in $OUT.
 set -euo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-PIP_CONFIG_FILE=/dev/null python3 -m pip install -q --isolated --only-binary=:all: \
-  --index-url file:///opt/pypi/simple --target /tmp/site optax einops jaxtyping tqdm flax \
-  2>&1 | grep -v "^WARNING" || true
-export PYTHONPATH=${PYTHONPATH:-}:/tmp/site:$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/tpu_setup.sh"
 python3 docs/measure/tpu_profile.py --batch 32 --out "$OUT" \
   bigvision loop,remat=none,res=bf16,scores=bf16 2>&1 | grep -v "^WARNING" | tee "$OUT/profile.txt"
 python3 docs/measure/tpu_bigvision.py --batches 32 | tee "$OUT/bigvision.txt"

@@ -461,14 +461,13 @@ def _calls_any(instr: Instruction, comps: set[str]) -> bool:
     return any(callee in comps for callee, _, _ in _callees(instr))
 
 
-def overlaps_matmul(instructions: list[Instruction], start: Instruction, matmuls: set[str]) -> bool:
-    """Whether a matmul is scheduled between an async ``start`` and its ``-done`` (the
-    computation's instructions in their scheduled order); False for a synchronous one."""
+def overlaps_matmul(following: list[Instruction], start: Instruction, matmuls: set[str]) -> bool:
+    """Whether a matmul is scheduled between an async ``start`` and its ``-done``:
+    ``following`` are the instructions after ``start`` in its computation's scheduled order;
+    ``matmuls`` is ``matmul_computations``. False for a synchronous collective."""
     if not start.opcode.endswith("-start"):
         return False
-    names = [i.name for i in instructions]
-    first = names.index(start.name)
-    for instr in instructions[first + 1 :]:
+    for instr in following:
         if instr.opcode.endswith("-done") and start.name in _operand_names(instr):
             return False
         if instr.opcode in _MATMULS or _calls_any(instr, matmuls):

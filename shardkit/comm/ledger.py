@@ -174,6 +174,11 @@ class Memory:
     alias: int
     generated_code: int
 
+    @property
+    def peak(self) -> int:
+        """Bytes the program holds at once: argument + output + temp − aliased."""
+        return self.argument + self.output + self.temp - self.alias
+
 
 @dataclasses.dataclass(frozen=True)
 class Tally:
@@ -403,16 +408,20 @@ def parse_hlo(text: str, mesh: AnyMesh | None = None) -> list[Collective]:
     runs = hlo.executions(computations, entry)
     num_devices = mesh.size if mesh is not None else hlo.header_devices(text)
     ctx = _Context(mesh, num_devices, hlo.stack_frames(text))
-    matmuls = hlo.matmul_computations(computations)
+    matmuls: set[str] | None = None  # found once, and only for a program with async collectives
     out = []
     for comp, instructions in computations.items():
         count, exact = runs.get(comp, (0, True))
-        for instr in instructions if count else ():
+        for i, instr in enumerate(instructions if count else ()):
             kind = hlo.collective_kind(instr)
-            if kind is not None:
-                c = _collective(instr, kind, comp, count, exact, ctx)
-                hidden = hlo.overlaps_matmul(instructions, instr, matmuls)
-                out.append(dataclasses.replace(c, overlapped=hidden) if hidden else c)
+            if kind is None:
+                continue
+            c = _collective(instr, kind, comp, count, exact, ctx)
+            if instr.opcode.endswith("-start"):
+                matmuls = hlo.matmul_computations(computations) if matmuls is None else matmuls
+                if hlo.overlaps_matmul(instructions[i + 1 :], instr, matmuls):
+                    c = dataclasses.replace(c, overlapped=True)
+            out.append(c)
     return out
 
 

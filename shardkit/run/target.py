@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from shardkit.comm import hlo
+from shardkit.comm.ledger import Memory
 
 GIB = 1 << 30
 # HBM per chip (vendor figures), by ``device_kind``.
@@ -127,13 +128,12 @@ class Fit:
         }
 
 
-def fit_of(memory: Any, hlo_text: str, device_kind: str, top: int = 3) -> Fit:
+def fit_of(memory: Memory, hlo_text: str, device_kind: str, top: int = 3) -> Fit:
     """The ``Fit`` of a compiled step from its ledger's memory and its HLO text."""
-    peak = memory.argument + memory.output + memory.temp - memory.alias
     return Fit(
         device_kind,
         HBM_BYTES.get(device_kind),
-        peak,
+        memory.peak,
         memory.argument,
         memory.temp,
         largest_buffers(hlo_text, top),

@@ -148,7 +148,11 @@ def measure(
     except (jax.errors.JaxRuntimeError, RuntimeError, MemoryError) as err:  # e.g. out of memory
         row.error = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         return row
-    row.compile_s, row.temp_bytes, row.peak_bytes = timing[:3]
+    row.compile_s, row.temp_bytes, row.peak_bytes = (
+        timing.compile_s,
+        timing.temp_bytes,
+        timing.peak_bytes,
+    )
     row.step_s = statistics.median(timing.times)
     row.images_per_s = batch / row.step_s
     row.back_to_back_images_per_s = batch / timing.pipelined_s
