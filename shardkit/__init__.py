@@ -1,10 +1,11 @@
-"""shardkit: hand-written tensor, sequence, data and pipeline parallelism in JAX ``shard_map``.
+"""shardkit: hand-written tensor, sequence, data, pipeline and expert parallelism in JAX
+``shard_map``.
 
 Layers (``cli → run → models → {comm, parallel} → mesh``; each imports only those below it,
 docs/design.md says where new code goes):
-  mesh         CPU devices, ``data × stage × seq × model`` meshes, the ``Plan``
+  mesh         CPU devices, ``data × stage × expert × seq × model`` meshes, the ``Plan``
   parallel/    primitives for shard_map bodies, model-free: vma typing, collectives, tensor,
-               lm (RMSNorm, RoPE, vocab-parallel embedding / loss), data,
+               lm (RMSNorm, RoPE, vocab-parallel embedding / loss), data, moe,
                sequence/ (blockwise, ring, Ulysses/USP, layouts, modes), pipeline/
                (schedules, tables, engine)
   comm/        any program's communication: hlo (parser), ledger, bytes (ring formulas),
@@ -34,7 +35,7 @@ from shardkit.mesh import (
 from shardkit.models import sharded, vit
 from shardkit.models.sharded import ShardedModel
 from shardkit.models.vit import ShardedViT, check_plan
-from shardkit.parallel import collectives, data, lm, pipeline, sequence, tensor, vma
+from shardkit.parallel import collectives, data, lm, moe, pipeline, sequence, tensor, vma
 from shardkit.parallel.collectives import (
     all_gather,
     all_reduce,
@@ -81,6 +82,7 @@ __all__ = [
     "make_mesh",
     "megatron_f",
     "megatron_g",
+    "moe",
     "parse_mesh",
     "permute",
     "pipeline",

@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-AXES = ("data", "stage", "seq", "model")
+AXES = ("data", "stage", "expert", "seq", "model")
 SP_MODES = ("none", "megatron", "ring", "ulysses", "usp")
 PP_MODES = ("none", "gpipe", "1f1b", "interleaved", "zb")
 ZERO_LEVELS = (0, 1, 2, 3)  # none, optimizer state, + gradients, + params (FSDP)
@@ -147,7 +147,8 @@ def parse_mesh(spec: str) -> dict[str, int]:
 def make_mesh(
     shape: dict[str, int] | None = None, devices: Sequence[jax.Device] | None = None
 ) -> Mesh:
-    """A ``data × stage × seq × model`` mesh (Auto axes) over the first prod(shape) devices.
+    """A ``data × stage × expert × seq × model`` mesh (Auto axes) over the first prod(shape)
+    devices.
 
     Args:
       shape: axis sizes, e.g. ``{"data": 2, "model": 4}``; omitted axes are 1.
@@ -176,8 +177,13 @@ def make_mesh(
 
 
 def format_mesh(shape: dict[str, int]) -> str:
-    """``"data=2,seq=1,model=4"``: every axis but ``stage``, which is named only when > 1."""
-    return ",".join(f"{a}={shape.get(a, 1)}" for a in AXES if a != "stage" or shape.get(a, 1) > 1)
+    """``"data=2,seq=1,model=4"``: every axis but ``stage`` and ``expert``, each named only
+    when > 1."""
+    return ",".join(
+        f"{a}={shape.get(a, 1)}"
+        for a in AXES
+        if a not in ("stage", "expert") or shape.get(a, 1) > 1
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,7 +278,7 @@ class Plan:
                 raise PlanError(message + ".")
 
     def _strategy_rules(self) -> list[tuple[bool, str]]:
-        data, stages, seq, model = (self.mesh[a] for a in AXES)
+        data, stages, seq, model = (self.mesh[a] for a in ("data", "stage", "seq", "model"))
         pp, sp, ulysses, virtual = self.pp, self.sp, self.ulysses, self.virtual
         none = pp == "none"
         return [

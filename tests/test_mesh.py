@@ -25,11 +25,11 @@ def assert_one_sentence(err: Exception) -> None:
         (lambda: make_mesh({"data": 3, "seq": 3}), "needs 9 devices but only 8"),
         (
             lambda: make_mesh({"pipe": 2}),
-            "Unknown mesh axis 'pipe'; axes are data, stage, seq, model",
+            "Unknown mesh axis 'pipe'; axes are data, stage, expert, seq, model",
         ),
         (
             lambda: parse_mesh("data=2,pipe=2"),
-            "Unknown mesh axis 'pipe'; axes are data, stage, seq, model",
+            "Unknown mesh axis 'pipe'; axes are data, stage, expert, seq, model",
         ),
         (lambda: Plan({"pipe": 2}), "Unknown mesh axis 'pipe'"),
         (
@@ -92,12 +92,15 @@ def test_mesh_and_plan_errors(make: Any, match: str) -> None:
 
 
 def test_parse_mesh_fills_omitted_axes() -> None:
-    assert parse_mesh("model=4, data=2") == {"data": 2, "stage": 1, "seq": 1, "model": 4}
-    assert parse_mesh("") == {"data": 1, "stage": 1, "seq": 1, "model": 1}
-    assert Plan({"model": 2}).mesh == {"data": 1, "stage": 1, "seq": 1, "model": 2}
-    assert format_mesh(parse_mesh("model=4")) == "data=1,seq=1,model=4"  # stage only when > 1
+    ones = {"data": 1, "stage": 1, "expert": 1, "seq": 1, "model": 1}
+    assert parse_mesh("model=4, data=2") == {**ones, "data": 2, "model": 4}
+    assert parse_mesh("") == ones
+    assert Plan({"model": 2}).mesh == {**ones, "model": 2}
+    # stage and expert named only when > 1
+    assert format_mesh(parse_mesh("model=4")) == "data=1,seq=1,model=4"
     assert format_mesh(parse_mesh("stage=2,model=4")) == "data=1,stage=2,seq=1,model=4"
-    assert dict(make_mesh({"seq": 2}).shape) == {"data": 1, "stage": 1, "seq": 2, "model": 1}
+    assert format_mesh(parse_mesh("expert=2,model=4")) == "data=1,expert=2,seq=1,model=4"
+    assert dict(make_mesh({"seq": 2}).shape) == {**ones, "seq": 2}
 
 
 def test_zero_and_fsdp_are_one_setting() -> None:

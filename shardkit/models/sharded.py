@@ -6,9 +6,15 @@ The generic layer under every sharded model here (``ShardedViT`` is one user of 
   rules        logical name -> mesh axis, e.g. ``{"mlp": "model", "heads": "model"}``
                (add ``"embed": "data"`` for FSDP);
   loss_local   ``(params_local, *batch_local) -> share``: this device's share of the loss,
-               run inside ``shard_map`` on the local blocks of params and batch;
+               run inside ``shard_map`` on the local blocks of params and batch; with
+               ``aux=True`` it returns ``(share, metrics)``, a dict of values already reduced
+               to be the same on every device (a MoE layer's token counts), reported by the
+               step beside the loss (``loss_and_grads`` then returns ``{"loss": ..., **metrics}``
+               where it returned the loss);
   batch_specs  one ``PartitionSpec`` per batch input (default: dim 0 over ``batch_axes``);
-  token_axes   the mesh axes your forward splits tokens over (sequence parallelism);
+  token_axes   the mesh axes your forward splits tokens over (sequence parallelism; the
+               ``expert`` axis of expert parallelism, whose leaves split over it are the
+               experts' own and are synced over the other axes only);
   token_free   path prefixes of the leaves used only after tokens are reduced (a classifier
                head after pooling), whose gradients are therefore whole on every token shard;
   gather       FSDP (a rule maps a name to a batch axis): True all-gathers every split leaf
@@ -161,15 +167,17 @@ def grad_sync_axes(
 ) -> PyTree:
     """Per leaf, the mesh axes (size > 1) its gradient is a partial sum over.
 
-    Every batch axis the leaf is not split over (a leaf split over one — FSDP — gets its
-    gradient reduce-scattered by the transpose of its gather), and every token axis the leaf is
-    not split over unless its path starts with one of ``token_free``.
+    Every batch axis the leaf is not split over (over one it is split over — FSDP — its
+    gradient is reduce-scattered by the transpose of its gather), and every token axis the leaf
+    is not split over unless its path starts with one of ``token_free``. A leaf split over a
+    token axis (an expert's weights over ``expert``, where tokens come to their expert by
+    all-to-all) is whole there: it is synced over the other axes only, never over that one.
     """
     big = {a for a, n in mesh.shape.items() if n > 1}
 
     def axes(path: tuple[Any, ...], spec: P) -> Axes:
         split = set(_spec_axes(spec))
-        out = [a for a in batch_axes if a in big] if not split & set(batch_axes) else []
+        out = [a for a in batch_axes if a in big and a not in split]
         name = leaf_path(path)
         if not any(name == f or name.startswith(f + "/") for f in token_free):
             out += [a for a in token_axes if a in big and a not in split]
@@ -255,6 +263,7 @@ class ShardedModel:
         pipeline: staged.Stages | None = None,
         compute_dtype: str | None = None,
         keep_float32: Sequence[str] = (),
+        aux: bool = False,
     ) -> None:
         missing = [a for a in (*batch_axes, *token_axes) if a not in mesh.shape]
         if missing:
@@ -263,11 +272,17 @@ class ShardedModel:
             )
         if loss_local is None and pipeline is None:
             raise PlanError("Give loss_local (or a pipeline, whose stages compute the loss).")
+        if aux and pipeline is not None:
+            raise PlanError(
+                "aux metrics are not supported under a pipeline (its stages compute "
+                "the loss); give aux=False."
+            )
         if zero not in (1, 2, 3):
             raise PlanError(f"zero must be 1, 2 or 3 (the ZeRO level), got {zero!r}.")
         if compute_dtype not in (None, "float32", "bfloat16"):
             raise PlanError(f"compute_dtype must be float32 or bfloat16, got {compute_dtype!r}.")
         self.compute_dtype, self.keep_float32 = compute_dtype, tuple(keep_float32)
+        self.aux = aux
         self.mesh, self.param_axes = mesh, param_axes
         self.loss_local = loss_local  # None for a pipelined model: its stages compute it
         self.rules = mesh_rules(rules, mesh)
@@ -373,8 +388,9 @@ class ShardedModel:
 
     # ------------------------------------------------------------------------- per device
 
-    def _loss_gathered(self, params: PyTree, *batch: Array) -> Array:
-        """``loss_local`` on params whose FSDP-split leaves are whole (if ``gather``)."""
+    def _loss_gathered(self, params: PyTree, *batch: Array) -> Any:
+        """``loss_local`` on params whose FSDP-split leaves are whole (if ``gather``): the
+        share, or (share, metrics) with ``aux``."""
         if self.gather and self.batch_axes:
             params = dp.fsdp_gather(params, self.gather_dims(), self.batch_axes[0])
         assert self.loss_local is not None, "a pipelined model's loss runs in staged.grads_local"
@@ -394,14 +410,15 @@ class ShardedModel:
 
         return jax.tree_util.tree_map_with_path(cast, params)
 
-    def zero2_loss_local(self, frags: PyTree, params: PyTree, *batch: Array) -> Array:
+    def zero2_loss_local(self, frags: PyTree, params: PyTree, *batch: Array) -> Any:
         """ZeRO-2's loss: ``loss_local`` on ``params`` whose gradients go to ``frags``,
         reduce-scattered once backward is done (override to attach them layer by layer)."""
         attached = dp.zero_attach(params, frags, self.zero_dims, self.batch_axes[0])
         return self._loss_gathered(attached, *batch)
 
-    def loss_and_grads_local(self, params: PyTree, *batch: Array) -> tuple[Array, PyTree]:
-        """Inside shard_map: (global loss, synced gradients sharded like ``state_specs``)."""
+    def loss_and_grads_local(self, params: PyTree, *batch: Array) -> tuple[Any, PyTree]:
+        """Inside shard_map: (global loss, synced gradients sharded like ``state_specs``); with
+        ``aux`` the loss is ``{"loss": loss, **metrics}``."""
         if self.pipeline is not None:
             return staged.grads_local(self, self.pipeline, params, *batch)
         # Cast params varying over the axes their gradients are partial sums over, so autodiff
@@ -409,10 +426,14 @@ class ShardedModel:
         params = dp.vary(params, self.vary_axes)
         if self.zero == 2 and self.zero_axis:
             frags = dp.zero_slices(params, self.zero_dims, self.zero_axis)
-            share, grads = jax.value_and_grad(self.zero2_loss_local)(frags, params, *batch)
+            grad_fn = jax.value_and_grad(self.zero2_loss_local, has_aux=self.aux)
+            out, grads = grad_fn(frags, params, *batch)
         else:
-            share, grads = jax.value_and_grad(self._loss_gathered)(params, *batch)
-        return self.total_loss(share), self.finish_grads(grads)
+            out, grads = jax.value_and_grad(self._loss_gathered, has_aux=self.aux)(params, *batch)
+        if not self.aux:
+            return self.total_loss(out), self.finish_grads(grads)
+        share, metrics = out
+        return {"loss": self.total_loss(share), **metrics}, self.finish_grads(grads)
 
     def finish_grads(self, grads: PyTree) -> PyTree:
         """Raw gradients to synced ones: ZeRO-1's reduce-scatter, then ``sync_grads``."""
@@ -491,7 +512,7 @@ class ShardedModel:
             def step(params: PyTree, opt_state: Any, *batch: Array):
                 loss, grads, *norm = grad_fn(params, *batch)
                 params, opt_state = dp.optax_update(optimizer, grads, opt_state, params)
-                metrics = {"loss": loss} | ({"grad_norm": norm[0]} if norm else {})
+                metrics = _metrics(loss) | ({"grad_norm": norm[0]} if norm else {})
                 return params, opt_state, metrics
 
             self._steps[key] = jax.jit(step, donate_argnums=(0, 1))
@@ -509,10 +530,10 @@ class ShardedModel:
         slices), this device's slice updated with its state slice, params all-gathered."""
         if clip_norm is None:
             loss, grads = self.loss_and_grads_local(params, *batch)
-            metrics = {"loss": loss}
+            metrics = _metrics(loss)
         else:
             loss, grads, norm = self.clipped_grads_local(clip_norm, params, *batch)
-            metrics = {"loss": loss, "grad_norm": norm}
+            metrics = _metrics(loss) | {"grad_norm": norm}
         params, opt_state = dp.zero_update(
             optimizer, grads, opt_state, params, self.zero_dims, self.batch_axes[0]
         )
@@ -522,7 +543,7 @@ class ShardedModel:
         self, optimizer: optax.GradientTransformation, clip_norm: float | None
     ) -> Callable[..., Any]:
         body = functools.partial(self.zero_step_local, optimizer, clip_norm)
-        metrics = {"loss": P()} | ({"grad_norm": P()} if clip_norm is not None else {})
+        metrics = P()  # every metric is the same on every device
 
         def step(params: PyTree, opt_state: Any, *batch: Array):
             state_specs = opt_state_specs(optimizer, params, self.state_specs)
@@ -532,6 +553,11 @@ class ShardedModel:
             )
 
         return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _metrics(loss: Any) -> dict[str, Array]:
+    """The step's metrics from ``loss_and_grads_local``'s first output (a dict under aux)."""
+    return dict(loss) if isinstance(loss, dict) else {"loss": loss}
 
 
 def _warn_unsplit_batch(batch_specs: Sequence[P], batch_axes: Axes) -> None:

@@ -9,6 +9,8 @@ sequence     ring attention, Ulysses, USP (bidirectional or causal); token paddi
              (ring: the ring itself; blockwise: the block math and attention_local)
 layouts      token layouts over a seq axis (contiguous, zigzag, striped) and their permutations
 data         gradient sync, gradient norms, FSDP gather, ZeRO-1/2
+moe          mixture of experts: top-k router, capacity dispatch / combine, expert FFN, the
+             balancing losses, expert parallelism by all-to-all over an expert axis
 schedules    pipeline schedules as data (GPipe, 1F1B, interleaved, ZB-H1)
 pipeline     the engine that runs any schedule over a stage axis
 """

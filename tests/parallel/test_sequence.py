@@ -425,7 +425,8 @@ def test_usp_factor_and_mesh() -> None:
         usp_factor(8, 6, 3)
     mesh = make_mesh({"data": 2, "seq": 4})
     split = usp_mesh(mesh, 2)
-    assert dict(split.shape) == {"data": 2, "stage": 1, "seq_ring": 2, "seq_ulysses": 2, "model": 1}
+    axes = {"data": 2, "stage": 1, "expert": 1, "seq_ring": 2, "seq_ulysses": 2, "model": 1}
+    assert dict(split.shape) == axes
     shape = (4, 16, 2)
     plain = NamedSharding(mesh, P("data", "seq")).devices_indices_map(shape)
     assert NamedSharding(split, P("data", USP_SEQ)).devices_indices_map(shape) == plain

@@ -140,6 +140,40 @@ def test_gpt_verifies_the_llama_plans() -> None:
     assert len(worsts) == 5 and max(worsts) <= TOL, out
 
 
+def test_moe_block_own_model() -> None:
+    """A user's MoE block on ShardedModel, ring-of-experts dispatch, capacity 0.5: equal to
+    moe_ref, and the drops it reports are the reference's."""
+    out = ok_output(run_example("moe_block.py", "--capacity-factor", "0.5", "--dispatch", "ring"))
+    worst = float(re.search(rf"sharded == moe_ref: worst \S+ at ({NUMBER})", out).group(1))
+    assert worst <= TOL, out
+    got, want = re.search(r"dropped assignments: (\d+) \(reference (\d+)\)", out).groups()
+    assert got == want and int(got) > 0, out
+
+
+def test_moe_gpt_trains_under_ep_x_dp() -> None:
+    """The GPT with 8 experts, top-2, capacity 1.25 on data=2 × expert=4: equal to its twin
+    (the twin routing in the same groups), the loss falls, and the drops are reported."""
+    out = ok_output(run_example("gpt.py", "--experts", "8", "--mesh", "data=2,expert=4",
+                                "--layout", "contiguous", "--steps", "60"))  # fmt: skip
+    worst = float(re.search(rf"sharded == twin: worst \S+ at ({NUMBER})", out).group(1))
+    assert worst <= TOL, out
+    first = float(re.findall(rf"step\s+1\s+loss ({NUMBER})", out)[0])
+    last = float(re.findall(rf"step\s+60\s+loss ({NUMBER})", out)[0])
+    assert last < 0.75 * first, out
+    dropped = [float(d) for d in re.findall(rf"dropped\s+({NUMBER})%", out)]
+    assert dropped and all(0 <= d < 100 for d in dropped), out
+    counts = re.search(r"tokens per expert \(last step, all layers\): \[([\d, ]+)\]", out)
+    per_expert = [int(c) for c in counts.group(1).split(",")]
+    assert len(per_expert) == 8 and sum(per_expert) == 8 * 64 * 2 * 2, out  # B·T·k·layers
+
+
+def test_moe_gpt_verifies_the_expert_plans() -> None:
+    """EP = 8, EP × DP, EP × TP × DP, EP × FSDP, EP × zigzag ring: each ≤ 1e-5 against the twin."""
+    out = ok_output(run_example("gpt.py", "--verify-plans", "--experts", "8"))
+    worsts = [float(w) for w in re.findall(rf"worst \S+ at ({NUMBER})", out)]
+    assert len(worsts) == 5 and max(worsts) <= TOL, out
+
+
 def test_pipeline_mlp() -> None:
     """A user's MLP pipelined with 1F1B over 4 stages × data 2: equal to its twin, and it fits."""
     out = ok_output(run_example("pipeline_mlp.py", "--steps", "50"))

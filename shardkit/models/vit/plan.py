@@ -70,6 +70,11 @@ def _model_checks(cfg: vit_ref.ViTConfig, plan: Plan) -> None:
     """The model-vs-plan rules: each a dim of ``cfg`` that an axis of ``plan`` must divide."""
     data, seq, model = (plan.size(a) for a in ("data", "seq", "model"))
     checks = [
+        (
+            plan.size("expert") > 1,
+            f"the ViT has no experts to split over expert={plan.size('expert')} (the expert "
+            "axis is for mixture-of-experts models)",
+        ),
         (cfg.heads % model, f"heads={cfg.heads} is not divisible by model={model}"),
         (cfg.mlp_dim % model, f"mlp_dim={cfg.mlp_dim} is not divisible by model={model}"),
         (

@@ -38,7 +38,7 @@ from shardkit.parallel.vma import shard_map_primitive
 SEQ_RING = "seq_ring"
 SEQ_ULYSSES = "seq_ulysses"
 USP_SEQ = (SEQ_RING, SEQ_ULYSSES)
-USP_AXES = ("data", "stage", SEQ_RING, SEQ_ULYSSES, "model")
+USP_AXES = ("data", "stage", "expert", SEQ_RING, SEQ_ULYSSES, "model")
 # inner(q, k, v, key_valid, segment_ids) on Ulysses-gathered tokens -> (out, lse)
 _Attention = Callable[[Array, Array, Array, Array | None, Array | None], tuple[Array, Array]]
 
@@ -248,17 +248,19 @@ def usp_factor(seq_size: int, heads_local: int, ulysses: int | None = None) -> i
 
 
 def usp_mesh(mesh: Mesh, ulysses: int) -> Mesh:
-    """Splits a ``data × stage × seq × model`` mesh's seq axis into ``seq_ring × seq_ulysses``.
+    """Splits a ``data × stage × expert × seq × model`` mesh's seq axis into
+    ``seq_ring × seq_ulysses``.
 
-    The device grid [data, stage, seq, model] is reshaped to [data, stage, seq/u, u, model]
+    The device grid [data, stage, expert, seq, model] is reshaped to
+    [data, stage, expert, seq/u, u, model]
     with axes ``USP_AXES``, so ``P(..., USP_SEQ, ...)`` here places every shard on the same
     device as ``P(..., "seq", ...)`` on ``mesh``; data-, model- and seq-sharded arrays carry
     over as is.
     """
     if tuple(mesh.axis_names) != AXES:
         raise PlanError(f"usp_mesh needs a mesh with axes {AXES}, got {mesh.axis_names}.")
-    data, stage, seq, model = mesh.devices.shape
+    data, stage, expert, seq, model = mesh.devices.shape
     if ulysses < 1 or seq % ulysses:
         raise PlanError(f"Ulysses degree {ulysses} must divide the seq axis size {seq}.")
-    grid = mesh.devices.reshape(data, stage, seq // ulysses, ulysses, model)
+    grid = mesh.devices.reshape(data, stage, expert, seq // ulysses, ulysses, model)
     return Mesh(grid, USP_AXES, axis_types=(AxisType.Auto,) * len(USP_AXES))
