@@ -52,7 +52,8 @@ def sharded(mesh, cfg, fsdp=False, dispatch_by="all_to_all"):
                                  batch_axes=("data", "expert"), seq_axes=("seq",),
                                  dispatch_by=dispatch_by)  # fmt: skip
         pred = jnp.einsum("btd,de->bte", h + out, p["head"])
-        share = jnp.sum((pred - y) ** 2) / (B * T * D)
+        groups = mesh.shape["data"] * mesh.shape["expert"] * mesh.shape["seq"]
+        share = jnp.sum((pred - y) ** 2) / (y.size * groups)  # the global mean
         share = share + ALPHA * aux.load_balance + BETA * aux.router_z
         return share, {"tokens_per_expert": aux.tokens_per_expert, "dropped": aux.dropped}
 
@@ -73,23 +74,23 @@ def twin(p, x, y, cfg, grouping):
     return jnp.mean((pred - y) ** 2) + ALPHA * aux["load_balance"] + BETA * aux["router_z"], aux
 
 
-def init(seed=0):
+def init(seed=0, e=E, d=D, f=F):
     k = jax.random.split(jax.random.key(seed), 6)
     return {
         "moe": {
-            "router": 2.0 * jax.random.normal(k[0], (D, E)) / np.sqrt(D),
-            "gate": jax.random.normal(k[1], (E, D, F)) / np.sqrt(D),
-            "up": jax.random.normal(k[2], (E, D, F)) / np.sqrt(D),
-            "down": jax.random.normal(k[3], (E, F, D)) / np.sqrt(F),
+            "router": 2.0 * jax.random.normal(k[0], (d, e)) / np.sqrt(d),
+            "gate": jax.random.normal(k[1], (e, d, f)) / np.sqrt(d),
+            "up": jax.random.normal(k[2], (e, d, f)) / np.sqrt(d),
+            "down": jax.random.normal(k[3], (e, f, d)) / np.sqrt(f),
         },
-        "proj": jax.random.normal(k[5], (D, D)) / np.sqrt(D),
-        "head": jax.random.normal(k[4], (D, D)) / np.sqrt(D),
+        "proj": jax.random.normal(k[5], (d, d)) / np.sqrt(d),
+        "head": jax.random.normal(k[4], (d, d)) / np.sqrt(d),
     }
 
 
-def batch(seed=1):
+def batch(seed=1, b=B, t=T, d=D):
     kx, ky = jax.random.split(jax.random.key(seed))
-    return jax.random.normal(kx, (B, T, D)), jax.random.normal(ky, (B, T, D))
+    return jax.random.normal(kx, (b, t, d)), jax.random.normal(ky, (b, t, d))
 
 
 def groups(mesh):

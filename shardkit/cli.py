@@ -26,6 +26,9 @@ MODEL_FLAGS = ("image", "patch", "channels", "classes", "dim", "depth", "heads",
 TRAIN_MODEL = dict(patch=2, dim=64, depth=2, heads=8, mlp_dim=128, pool="tok")
 
 
+LM_BATCH = 8  # the GPT's default global batch (of 64-token windows)
+
+
 class UsageError(Exception):
     """A user mistake in the command line: reported in one line, exit status 2."""
 
@@ -36,7 +39,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_model_opts(p: argparse.ArgumentParser, batch: int, about: str) -> None:
-    g = p.add_argument_group(f"model (default: {about})")
+    g = p.add_argument_group(f"model (default: the ViT, {about})")
+    g.add_argument(
+        "--model",
+        choices=("vit", "gpt", "moe-gpt"),
+        default="vit",
+        help="the ViT (default), or the Llama-style decoder on the Zen of Python, dense or "
+        "mixture-of-experts (the flags below --batch apply to it)",
+    )
     g.add_argument("--variant", help="mu, Ti/16, S/16, B/16 or L/16 (other flags override it)")
     for name in MODEL_FLAGS:
         g.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
@@ -49,7 +59,15 @@ def _add_model_opts(p: argparse.ArgumentParser, batch: int, about: str) -> None:
         help="under bf16: wide keeps the residual stream and softmax float32 (default), "
         "big_vision computes them in bf16",
     )
-    g.add_argument("--batch", type=int, default=batch, help=f"global batch (default {batch})")
+    g.add_argument("--batch", type=int, help=f"global batch (default {batch}; the GPT: {LM_BATCH})")
+    p.set_defaults(vit_batch=batch)
+    g.add_argument("--experts", type=int, help="moe-gpt: experts per block (default 8)")
+    g.add_argument("--top-k", type=int, default=2, help="moe-gpt: experts per token (2)")
+    g.add_argument(
+        "--capacity-factor",
+        default="1.25",
+        help="moe-gpt: slots per expert as a multiple of the even share, or none (dropless)",
+    )
 
 
 def _add_plan_opts(p: argparse.ArgumentParser) -> None:
@@ -566,6 +584,59 @@ def run_launch(args: argparse.Namespace) -> int:
     )  # fmt: skip
 
 
+VIT_ONLY = (*MODEL_FLAGS, "variant", "pool", "posemb", "dtype", "precision", "ulysses", "zero",
+            "remat", "layers", "pp", "microbatches", "virtual", "hlo", "plot", "target",
+            "resume", "checkpoint_every", "keep", "eval_every", "cache", "data")  # fmt: skip
+
+
+def run_lm(args: argparse.Namespace) -> int:
+    """``verify``, ``inspect`` or ``train`` of ``--model gpt`` / ``moe-gpt`` (``run.lm``)."""
+    if args.command not in ("verify", "inspect", "train"):
+        raise UsageError(
+            f"{args.command} runs the ViT only; the GPT's comparison with XLA's partitioner is "
+            "benchmarks/moe_ep.py (the MoE block)."
+        )
+    flags = ["--" + n.replace("_", "-") for n in VIT_ONLY]
+    given = [f for f in flags if any(a == f or a.startswith(f + "=") for a in args.argv)]
+    if given:
+        raise UsageError(f"{given[0]} applies to the ViT only, not to --model {args.model}.")
+    from shardkit.run import lm
+
+    _setup_devices(args.devices)
+    cfg = lm.config(args.model, args.experts, args.top_k, args.capacity_factor)
+    batch = args.batch or LM_BATCH * (2 if args.command != "train" else 1)
+    given_plan = args.mesh or args.sp or args.fsdp
+    plan = lm.plan(args.mesh or f"data={args.devices}", args.sp, args.fsdp)
+    if args.command == "verify":
+        plans = {"custom": plan} if given_plan else lm.default_plans(cfg)
+        return 0 if lm.verify(cfg, plans, batch, as_json=args.json) else 1
+    if args.command == "inspect":
+        print(lm.inspect(cfg, plan, batch, as_json=args.json))
+        return 0
+    return _train_lm(args, cfg, plan, batch)
+
+
+def _train_lm(args: argparse.Namespace, cfg: Any, plan: Any, batch: int) -> int:
+    import pathlib
+
+    from shardkit.run import lm, train
+
+    out = pathlib.Path(args.out) if args.out else None
+    if out is not None:
+        train.prepare_out_dir(out, args.force)
+    try:
+        records = lm.train(cfg, plan, steps=args.steps, batch=batch, lr=args.lr, seed=args.seed,
+                           out=out, warmup=args.warmup, clip=args.clip or float("inf"),
+                           weight_decay=args.weight_decay)  # fmt: skip
+    except FloatingPointError as err:
+        print(f"shardkit: {err}", file=sys.stderr)
+        return 1
+    last = records[-1]
+    wrote = f"; wrote {out}/{{metrics.jsonl,config.json,curves.png}}" if out else ""
+    print(f"step {last['step']}: loss {last['loss']:.4f}{wrote}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     commands = {
         "verify": run_verify,
@@ -580,6 +651,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.argv = argv
         if hasattr(args, "devices") and args.devices is None:
             args.devices = _mesh_devices(args.mesh)
+        if getattr(args, "model", "vit") != "vit":
+            return run_lm(args)
+        if hasattr(args, "batch") and args.batch is None:
+            args.batch = args.vit_batch
         return commands[args.command](args)
     except (UsageError, ValueError) as err:  # PlanError, DataError, config errors: ValueErrors
         print(f"shardkit: error: {err}", file=sys.stderr)

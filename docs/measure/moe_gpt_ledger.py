@@ -1,4 +1,4 @@
-"""The collectives of the MoE GPT's clipped train step (``examples/gpt.py --experts 8``),
+"""The collectives of the MoE GPT's clipped train step (``shardkit.models.gpt``, 8 experts),
 measured from the compiled program, on the expert-parallel meshes of docs/strategies/moe.md.
 
     python docs/measure/moe_gpt_ledger.py [--mesh data=2,expert=4] [--capacity-factor 1.25]
@@ -10,8 +10,6 @@ step (inside the layer scan: once per layer), bytes are sent per device
 """
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import shardkit
 
@@ -22,18 +20,11 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from shardkit.comm import ledger  # noqa: E402
+from shardkit.models import gpt  # noqa: E402
 from shardkit.parallel import moe  # noqa: E402
 from shardkit.parallel.sequence import layouts  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt.py"
 MESHES = ("data=2,expert=4", "data=2,expert=2,model=2", "expert=2,seq=4", "expert=8")
-
-
-def load_example():
-    spec = importlib.util.spec_from_file_location("gpt", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:
@@ -41,13 +32,14 @@ def main() -> None:
     parser.add_argument("--mesh", help="one mesh (default: the page's four)")
     parser.add_argument("--capacity-factor", type=float, default=1.25)
     args = parser.parse_args()
-    gpt = load_example()
     experts = moe.MoE(8, 2, args.capacity_factor)
-    params = gpt.init(0, gpt.MOE_DIMS, experts.experts)
-    x, y = gpt.windows(np.random.default_rng(0), 8, gpt.MOE_DIMS["tokens"])
+    cfg = gpt.moe_config(experts)
+    params = gpt.init(0, cfg)
+    x, y = gpt.windows(np.random.default_rng(0), 8, cfg.tokens)
     for flag in [args.mesh] if args.mesh else MESHES:
         mesh = shardkit.make_mesh(shardkit.parse_mesh(flag))
-        model = gpt.sharded_gpt(mesh, "zigzag", dims=gpt.MOE_DIMS, experts=experts)
+        plan = gpt.GPTPlan(shardkit.parse_mesh(flag), "zigzag")
+        model = gpt.sharded_gpt(mesh, cfg, plan)
         optimizer = optax.adamw(1e-3)
         step = model.train_step(optimizer, clip_norm=1.0)
         p = model.shard(params)

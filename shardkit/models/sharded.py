@@ -372,6 +372,27 @@ class ShardedModel:
         shardings = jax.tree.map(self.sharding, self.specs, is_leaf=_is_spec)
         return jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings)(params)
 
+    def abstract_args(
+        self, optimizer: optax.GradientTransformation, params: PyTree, *batch: Any
+    ) -> tuple[Any, ...]:
+        """``train_step``'s arguments (params, optimizer state, *batch) as
+        ``jax.ShapeDtypeStruct``s carrying this model's shardings, from arrays or shapes:
+        ``model.train_step(opt).lower(*model.abstract_args(opt, shapes, *batch)).compile()``
+        compiles the step with no data and no devices to run on (a TPU slice's, say, from
+        ``run.target.topology_devices``)."""
+
+        def abstract(x: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+        shapes = jax.eval_shape(lambda p: p, params)
+        if self.pipeline is not None:
+            shapes = jax.eval_shape(self.pipeline.to_stage_order, shapes)
+        placed = jax.tree.map(lambda x, s: abstract(x, self.sharding(s)), shapes, self.specs)
+        state, shardings = opt_state_layout(optimizer, shapes, self.state_specs, self.sharding)
+        pairs = zip(batch, self.batch_specs, strict=True)
+        inputs = tuple(abstract(x, self.sharding(s)) for x, s in pairs)
+        return placed, jax.tree.map(abstract, state, shardings), *inputs
+
     def to_reference(self, tree: PyTree) -> PyTree:
         """A params-shaped tree of this model (params, gradients) in your layer order: the
         identity unless a pipeline with virtual chunks stores the layers in stage order."""

@@ -1,0 +1,280 @@
+"""A causal character-level decoder, Llama style, with dense or mixture-of-experts blocks, on
+``data × expert × seq × model``, built only from shardkit primitives on ``ShardedModel``.
+
+RMSNorm, rotary embeddings at each token's global position, grouped-query attention
+(``tensor.attention_tp`` around a causal ring or Ulysses core over ``seq``; KV weights whole
+and ``kv_repeat`` when ``model`` outnumbers the KV heads), a SwiGLU MLP over ``model`` — or,
+with ``GPTConfig.experts``, E SwiGLU experts behind a top-k router (``moe.moe_layer``, experts
+over ``expert``, which splits the batch too), the load-balance and z-losses added to the loss
+— no biases, and the vocabulary split over ``model`` in the embedding and the untied head (the
+logits are never gathered). The data: windows of the Zen of Python (``this.s``).
+
+  batch    x, y[B_data×expert, T_seq] token ids, in ``plan.layout`` order over seq
+  params   embed[V_model, D], blocks (stacked over layers), norm[D], head[D, V_model];
+           FSDP (``plan.fsdp``): every embed dim over data too
+
+The twin (``twin_loss``) is the same decoder in plain jnp, its MoE blocks ``moe_ref``'s,
+routing the sharded run's groups in their layout order so that drops agree.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import dataclasses
+import io
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+import moe_ref
+from shardkit.mesh import AXES, PlanError, format_mesh
+from shardkit.models.sharded import ShardedModel
+from shardkit.parallel import lm, moe, sequence, tensor, vma
+from shardkit.parallel.sequence import layouts
+
+with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints the Zen
+    import this
+TEXT = codecs.decode(this.s, "rot13")
+CHARS = sorted(set(TEXT))
+VOCAB = -(-len(CHARS) // 8) * 8  # padded so it splits over up to 8 model devices
+ALPHA, BETA = 1e-2, 1e-3  # the load-balance and router z-loss weights
+CORES = ("ring", "ulysses")
+Params = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """The decoder's dims; ``experts`` (a ``moe.MoE``) makes every block's MLP a MoE whose
+    experts each have ``mlp`` hidden units."""
+
+    dim: int = 64
+    heads: int = 8
+    kv_heads: int = 2
+    mlp: int = 128
+    layers: int = 2
+    tokens: int = 64
+    vocab: int = VOCAB
+    experts: moe.MoE | None = None
+
+
+def moe_config(experts: moe.MoE, **dims: int) -> GPTConfig:
+    """The MoE decoder: the dense one's dims, each expert half the dense MLP."""
+    return GPTConfig(**{"mlp": 64, **dims}, experts=experts)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTPlan:
+    """How the decoder is split: the mesh, the token layout over seq, the attention core over
+    seq (``"ring"`` or ``"ulysses"``) and FSDP over data."""
+
+    mesh: dict[str, int]
+    layout: str = "contiguous"
+    core: str = "ring"
+    fsdp: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mesh", {**dict.fromkeys(AXES, 1), **self.mesh})
+
+    @property
+    def name(self) -> str:
+        extra = (f", {self.core} {self.layout}" if self.mesh["seq"] > 1 else "") + (
+            ", FSDP" if self.fsdp else ""
+        )
+        return format_mesh(self.mesh) + extra
+
+
+def check_plan(cfg: GPTConfig, plan: GPTPlan, batch: int) -> None:
+    """PlanError (one sentence: dim, axis, sizes) if ``plan`` cannot run ``cfg`` at ``batch``."""
+    data, stage, ep, seq, model = (plan.mesh[a] for a in AXES)
+    experts = cfg.experts.experts if cfg.experts else 0
+    local_heads = cfg.heads // model if cfg.heads % model == 0 else 0
+    checks = [
+        (stage > 1, f"The GPT runs no pipeline, but the mesh has stage={stage}"),
+        (plan.core not in CORES, f"The core must be one of {CORES}, got {plan.core!r}"),
+        (ep > 1 and not experts, f"The mesh has expert={ep} but the GPT has no experts"),
+        (experts % ep, f"experts={experts} is not divisible by expert={ep}"),
+        (cfg.heads % model, f"heads={cfg.heads} is not divisible by model={model}"),
+        (cfg.mlp % model, f"mlp={cfg.mlp} is not divisible by model={model}"),
+        (cfg.vocab % model, f"The vocabulary ({cfg.vocab}) is not divisible by model={model}"),
+        (batch % (data * ep), f"batch={batch} is not divisible by data×expert={data * ep}"),
+        (plan.fsdp and cfg.dim % data, f"dim={cfg.dim} is not divisible by data={data} (FSDP)"),
+        (plan.core == "ulysses" and local_heads % seq,
+         f"Ulysses needs the heads per model shard ({local_heads}) divisible by seq={seq}"),
+        (cfg.tokens % layouts.multiple(plan.layout, seq),
+         f"tokens={cfg.tokens} do not split over seq={seq} in the {plan.layout} layout"),
+    ]  # fmt: skip
+    for failed, message in checks:
+        if failed:
+            raise PlanError(message + ".")
+
+
+# --8<-- [start:axes]
+def param_axes(experts: bool = False) -> dict[str, Any]:
+    """Logical names per dim of every leaf (no biases); ``experts``: MoE blocks."""
+    w = lambda *names: {"kernel": names}  # noqa: E731
+    mlp: dict[str, Any] = {"gate": w("embed", "mlp"), "up": w("embed", "mlp"),
+                           "down": w("mlp", "embed")}  # fmt: skip
+    if experts:  # E experts' SwiGLUs, stacked, and the router (replicated)
+        mlp = {"router": ("embed", "router"), "gate": ("expert", "embed", "mlp"),
+               "up": ("expert", "embed", "mlp"), "down": ("expert", "mlp", "embed")}  # fmt: skip
+    block = {"norm1": ("embed",), "norm2": ("embed",), "mlp": mlp,
+             "attn": {"query": w("embed", "heads", "head_dim"),
+                      "key": w("embed", "kv_heads", "head_dim"),
+                      "value": w("embed", "kv_heads", "head_dim"),
+                      "out": w("heads", "head_dim", "embed")}}  # fmt: skip
+    stacked = jax.tree.map(lambda n: ("layers", *n), block, is_leaf=lambda x: isinstance(x, tuple))
+    return {"embed": ("vocab", "embed"), "head": ("embed", "vocab"), "blocks": stacked,
+            "norm": ("embed",)}  # fmt: skip
+
+
+def rules(n_model: int, kv_heads: int, fsdp: bool) -> dict[str, str]:
+    """Heads, MLP and vocabulary over model; KV heads too unless model outnumbers them
+    (then they stay whole and ``kv_repeat`` picks each device's one); experts over expert;
+    ``fsdp``: embed over data."""
+    out = {"heads": "model", "mlp": "model", "vocab": "model", "expert": "expert"}
+    if n_model <= kv_heads:
+        out["kv_heads"] = "model"
+    return {**out, "embed": "data"} if fsdp else out
+
+
+# --8<-- [end:axes]
+
+
+def init(seed: int, cfg: GPTConfig) -> Params:
+    """Random params: matrices N(0, 1/fan_in), norm scales near 1."""
+    experts = cfg.experts.experts if cfg.experts else 0
+    sizes = {"vocab": cfg.vocab, "embed": cfg.dim, "heads": cfg.heads, "mlp": cfg.mlp,
+             "kv_heads": cfg.kv_heads, "head_dim": cfg.dim // cfg.heads, "layers": cfg.layers,
+             "expert": experts, "router": experts}  # fmt: skip
+    names, tree = jax.tree.flatten(param_axes(experts > 0), is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(jax.random.key(seed), len(names))
+
+    def leaf(key: jax.Array, ns: tuple[str, ...]) -> jax.Array:
+        dims = [n for n in ns if n not in ("layers", "expert")]  # the first is the fan-in
+        noise = jax.random.normal(key, [sizes[n] for n in ns])
+        return noise / np.sqrt(sizes[dims[0]]).item() if len(dims) > 1 else 1.0 + 0.1 * noise
+
+    return jax.tree.unflatten(tree, [leaf(k, ns) for k, ns in zip(keys, names, strict=True)])
+
+
+def windows(rng: np.random.Generator, batch: int, t: int) -> tuple[jax.Array, jax.Array]:
+    """x[B, T] random windows of the text, y the next characters."""
+    ids = np.array([CHARS.index(c) for c in TEXT], np.int32)
+    starts = rng.integers(0, len(ids) - t - 1, batch)
+    x = np.stack([ids[s : s + t] for s in starts])
+    return jnp.asarray(x), jnp.asarray(np.stack([ids[s + 1 : s + t + 1] for s in starts]))
+
+
+# --8<-- [start:twin]
+def twin_logits(p: Params, x: jax.Array, cfg: GPTConfig, plan: GPTPlan | None = None):
+    """The unsharded decoder in plain jnp: x[B, T] token ids -> (logits[B, T, V], aux losses
+    summed over layers). MoE blocks route ``plan``'s groups (its devices' tokens, in its
+    layout's order over seq); no plan: one group."""
+    pos = jnp.arange(x.shape[1])
+    plan = plan or GPTPlan({})
+    grouping = (plan.mesh["data"] * plan.mesh["expert"], plan.mesh["seq"])
+    n_seq = plan.mesh["seq"]
+
+    def experts(z: jax.Array, m: Params) -> tuple[jax.Array, jax.Array]:
+        z = layouts.to_layout(z, n_seq, plan.layout)
+        out, aux = moe_ref.layer(m, z, cfg.experts, grouping)
+        loss = ALPHA * aux["load_balance"] + BETA * aux["router_z"]
+        return layouts.from_layout(out, n_seq, plan.layout), loss
+
+    def attention(h: jax.Array, a: Params) -> jax.Array:
+        q, k, v = (jnp.einsum("btd,dhk->bthk", h, a[n]["kernel"]) for n in ("query", "key",
+                                                                             "value"))  # fmt: skip
+        q, k = lm.apply_rope(q, pos), lm.apply_rope(k, pos)
+        k, v = (jnp.repeat(z, q.shape[2] // z.shape[2], axis=2) for z in (k, v))  # GQA
+        s = jnp.einsum("bthk,bshk->bhts", q, k) / float(np.sqrt(q.shape[-1]))
+        s = jnp.where(jnp.tril(jnp.ones((x.shape[1],) * 2, bool)), s, -jnp.inf)
+        return jnp.einsum("bhts,bshk,hkd->btd", jax.nn.softmax(s, axis=-1), v, a["out"]["kernel"])
+
+    def block(h: jax.Array, b: Params) -> tuple[jax.Array, jax.Array]:
+        h = h + attention(lm.rms_norm(h, b["norm1"]), b["attn"])
+        z, m = lm.rms_norm(h, b["norm2"]), b["mlp"]
+        if cfg.experts is not None:
+            z, aux = experts(z, m)
+            return h + z, aux
+        z = jax.nn.silu(z @ m["gate"]["kernel"]) * (z @ m["up"]["kernel"])
+        return h + z @ m["down"]["kernel"], jnp.zeros(())
+
+    h, aux = jax.lax.scan(block, p["embed"][x], p["blocks"])
+    return lm.rms_norm(h, p["norm"]) @ p["head"], aux.sum()
+
+
+def twin_loss(p: Params, x: jax.Array, y: jax.Array, cfg: GPTConfig, plan: GPTPlan | None = None):
+    """Mean next-token cross-entropy plus the MoE losses, unsharded."""
+    logits, aux = twin_logits(p, x, cfg, plan)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() + aux
+
+
+# --8<-- [end:twin]
+
+
+# --8<-- [start:sharded]
+def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
+    """The decoder on ``mesh`` as ``plan`` says (``check_plan`` first); with experts its
+    step reports tokens per expert, dropped assignments and their fraction."""
+    n_model, n_seq = mesh.shape["model"], mesh.shape["seq"]
+    tp, sp = ("model" if n_model > 1 else None), ("seq" if n_seq > 1 else None)
+    ep = "expert" if mesh.shape["expert"] > 1 else None
+    kv_repeat = n_model > cfg.kv_heads
+    attend = {"ring": sequence.attention_ring, "ulysses": sequence.attention_ulysses}[plan.core]
+
+    def causal_core(q, k, v):  # over seq on local heads; GQA K/V blocks stay h_kv-headed
+        return attend(q, k, v, causal=True, layout=plan.layout)[0]
+
+    def mlp(z, m):  # SwiGLU over model, or the experts: (out, aux losses' share, counts)
+        if cfg.experts is None:
+            return tensor.gated_mlp_tp(z, m, tp), jnp.zeros(()), jnp.zeros(1)
+        out, aux = moe.moe_layer(
+            z,
+            m,
+            cfg.experts,
+            expert_axis=ep,
+            tp=tp,
+            batch_axes=("data", "expert"),
+            seq_axes=("seq",),
+        )  # the spec's
+        counts = jnp.concatenate([aux.tokens_per_expert, aux.dropped[None]])
+        return out, ALPHA * aux.load_balance + BETA * aux.router_z, counts
+
+    def loss_local(p, x, y):  # this device's share of the loss (and the MoE metrics)
+        rope = lm.rope(layouts.local_positions(plan.layout, sp, x.shape[1]))  # GLOBAL positions
+
+        @vma.checked_block  # a forgotten row-parallel reduction is named here, at trace time
+        def block(h, b):
+            a = tensor.attention_tp(lm.rms_norm(h, b["norm1"]), b["attn"], tp, causal_core,
+                                    rope=rope, kv_repeat=kv_repeat)  # fmt: skip
+            h = h + a
+            z, aux, counts = mlp(lm.rms_norm(h, b["norm2"]), b["mlp"])
+            return h + z, (aux, counts)
+
+        h, (aux, counts) = jax.lax.scan(block, lm.vocab_embed(x, p["embed"], tp), p["blocks"])
+        logits = lm.vocab_logits(lm.rms_norm(h, p["norm"]), p["head"], tp)  # [b, t, V/n]
+        ce = lm.vocab_cross_entropy(logits, y, tp)
+        share = ce.sum() / (y.size * mesh.shape["data"] * mesh.shape["expert"] * n_seq)
+        if cfg.experts is None:
+            return share
+        return share + aux.sum(), moe_metrics(counts, y.size * mesh.size // n_model)
+
+    def moe_metrics(counts, tokens):  # counts [layers, E + 1]: global, the same everywhere
+        per_expert, dropped = counts[:, :-1].sum(0), counts[:, -1].sum()
+        routed = tokens * (cfg.experts.top_k if cfg.experts else 0) * cfg.layers
+        return {"tokens_per_expert": per_expert, "dropped": dropped,
+                "dropped_fraction": dropped / routed}  # fmt: skip
+
+    tokens = P(("data", "expert"), "seq")
+    return ShardedModel(mesh, param_axes(cfg.experts is not None),
+                        rules(n_model, cfg.kv_heads, plan.fsdp), loss_local,
+                        batch_specs=(tokens, tokens), token_axes=("expert", "seq"),
+                        aux=cfg.experts is not None)  # fmt: skip
+
+
+# --8<-- [end:sharded]

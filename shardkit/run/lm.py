@@ -1,0 +1,287 @@
+"""The decoder's commands: ``shardkit verify | inspect | train --model gpt`` (or ``moe-gpt``).
+
+The model is ``models.gpt``'s Llama-style decoder on the Zen of Python, dense or with MoE
+blocks (``--experts E --top-k K --capacity-factor C``, experts over the ``expert`` mesh axis).
+A plan is a mesh, a sequence core (``--sp ring``: the causal ring in the zigzag layout;
+``--sp ulysses``: Ulysses in the striped layout) and ``--fsdp``.
+
+  verify   sharded == the twin (loss with the MoE losses, every gradient leaf, one AdamW step)
+           on one plan, or on the default plans (``PLANS``; ``MOE_PLANS`` with experts)
+  inspect  the clipped train step's collectives against ``models.gpt.cost`` (ring or no seq
+           core), memory, the contract's verdict
+  train    AdamW with warmup and cosine decay; per logged step the loss (and the dropped
+           fraction), ``DIR/metrics.jsonl`` (with tokens per expert), ``config.json``,
+           ``curves.png``
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from shardkit import testing
+from shardkit.comm import ledger
+from shardkit.comm.report import Report
+from shardkit.mesh import PlanError, format_mesh, make_mesh, parse_mesh
+from shardkit.models import gpt
+from shardkit.models.sharded import ShardedModel
+from shardkit.parallel import moe
+from shardkit.parallel.sequence import layouts
+
+LM_MODELS = ("gpt", "moe-gpt")
+SP_CORES = {"none": ("ring", "contiguous"), "ring": ("ring", "zigzag"),
+            "ulysses": ("ulysses", "striped")}  # fmt: skip
+# --8<-- [start:plans]
+PLANS = {  # name: (mesh, sp, fsdp); sp ring: the zigzag ring; ulysses: the striped layout
+    "data×model": ("data=2,model=4", "none", False),
+    "ring, zigzag": ("data=2,seq=4", "ring", False),
+    "Ulysses, KV repeat": ("seq=2,model=4", "ulysses", False),
+    "FSDP": ("data=4,model=2", "none", True),
+    "3-D: data×seq×model": ("data=2,seq=2,model=2", "ring", False),
+}
+MOE_PLANS = {
+    "EP=8": ("expert=8", "none", False),
+    "EP×DP": ("data=2,expert=4", "none", False),
+    "EP×TP×DP": ("data=2,expert=2,model=2", "none", False),
+    "EP×FSDP": ("data=2,expert=4", "none", True),
+    "EP×ring, zigzag": ("expert=2,seq=4", "ring", False),
+}
+# --8<-- [end:plans]
+TOLERANCE = 1e-5
+
+
+def config(model: str, experts: int | None, top_k: int, capacity_factor: str) -> gpt.GPTConfig:
+    """The decoder of ``--model``; ``moe-gpt``: ``experts`` (default 8) top-``top_k`` experts,
+    ``capacity_factor`` a number or "none" (dropless)."""
+    if model == "gpt":
+        if experts:
+            raise PlanError("--experts needs --model moe-gpt (the gpt is dense).")
+        return gpt.GPTConfig()
+    try:
+        factor = None if capacity_factor == "none" else float(capacity_factor)
+    except ValueError:
+        raise PlanError(
+            f"--capacity-factor must be a number or none, got {capacity_factor!r}."
+        ) from None
+    try:
+        return gpt.moe_config(moe.MoE(experts or 8, top_k, factor))
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+
+
+def plan(mesh: str, sp: str | None, fsdp: bool) -> gpt.GPTPlan:
+    """A plan from ``--mesh``, ``--sp`` (none, ring, ulysses) and ``--fsdp``."""
+    shape = parse_mesh(mesh)
+    sp = sp or ("ring" if shape["seq"] > 1 else "none")
+    if sp not in SP_CORES:
+        raise PlanError(f"--sp {sp} does not apply to the GPT; choose none, ring or ulysses.")
+    if sp == "none" and shape["seq"] > 1:
+        raise PlanError(f"The mesh has seq={shape['seq']}; give --sp ring or ulysses.")
+    core, layout = SP_CORES[sp]
+    return gpt.GPTPlan(shape, layout if shape["seq"] > 1 else "contiguous", core, fsdp)
+
+
+def default_plans(cfg: gpt.GPTConfig) -> dict[str, gpt.GPTPlan]:
+    table = PLANS if cfg.experts is None else MOE_PLANS
+    return {name: plan(*row) for name, row in table.items()}
+
+
+def build(cfg: gpt.GPTConfig, p: gpt.GPTPlan, batch: int) -> ShardedModel:
+    """The sharded decoder of ``p`` (checked first: one sentence on failure)."""
+    gpt.check_plan(cfg, p, batch)
+    return gpt.sharded_gpt(make_mesh(p.mesh), cfg, p)
+
+
+def _batch(cfg: gpt.GPTConfig, batch: int, seed: int = 0) -> tuple[jax.Array, jax.Array]:
+    return gpt.windows(np.random.default_rng(seed), batch, cfg.tokens)
+
+
+def _ordered(p: gpt.GPTPlan, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(layouts.to_layout(a, p.mesh["seq"], p.layout) for a in arrays)
+
+
+def _loss(out: Any) -> Any:
+    return out["loss"] if isinstance(out, dict) else out
+
+
+# ----------------------------------------------------------------------------- verify
+
+
+def verify_case(cfg: gpt.GPTConfig, name: str, p: gpt.GPTPlan, batch: int) -> dict[str, Any]:
+    """One plan against the twin: the ``verify --json`` case object."""
+    model = build(cfg, p, batch)
+    params, (x, y) = gpt.init(0, cfg), _batch(cfg, batch)
+
+    def sharded(params: Any, x: jax.Array, y: jax.Array) -> tuple[Any, Any]:
+        out, grads = model.loss_and_grads(params, *_ordered(p, x, y))
+        return _loss(out), grads
+
+    def twin(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        return gpt.twin_loss(params, x, y, cfg, p)
+
+    check = testing.compare_sharded(sharded, twin, params, x, y, place=model.shard)
+    errors = {"loss": check.loss, "grads": max(check.grads.values()),
+              "step": max(check.step.values())}  # fmt: skip
+    sp = f"{p.core} {p.layout}" if p.mesh["seq"] > 1 else "none"
+    return {"name": name, "mesh": format_mesh(p.mesh), "sp": sp,
+            "fsdp": p.fsdp, "ok": check.ok, "errors": errors, "worst": check.worst[0],
+            "tolerance": TOLERANCE}  # fmt: skip
+
+
+def verify(
+    cfg: gpt.GPTConfig,
+    plans: dict[str, gpt.GPTPlan],
+    batch: int,
+    *,
+    as_json: bool = False,
+    echo: Callable[..., Any] = print,
+) -> bool:
+    """Every plan in turn (all checked first); a row each, or one JSON object."""
+    for p in plans.values():
+        gpt.check_plan(cfg, p, batch)
+    row = "{:<22}{:<31}{:<18}{:>6}{:>10}{:>10}{:>10}  {}"
+    if not as_json:
+        echo(row.format("case", "mesh", "sp", "fsdp", "loss", "grads", "step", "ok"), flush=True)
+    cases = []
+    for name, p in plans.items():
+        c = verify_case(cfg, name, p, batch)
+        cases.append(c)
+        if not as_json:
+            e = c["errors"]
+            echo(row.format(name, c["mesh"], c["sp"], "✓" if p.fsdp else "-", f"{e['loss']:.1e}",
+                            f"{e['grads']:.1e}", f"{e['step']:.1e}",
+                            "✓" if c["ok"] else f"✗ {c['worst']}"), flush=True)  # fmt: skip
+    ok = all(c["ok"] for c in cases)
+    if as_json:
+        echo(json.dumps({"ok": ok, "model": _name(cfg), "cases": cases}))
+    else:
+        echo(f"{sum(c['ok'] for c in cases)}/{len(cases)} plans match the twin "
+             f"({_name(cfg)}, batch {batch}, tolerance {TOLERANCE:g}).")  # fmt: skip
+    return ok
+
+
+def _name(cfg: gpt.GPTConfig) -> str:
+    return "gpt" if cfg.experts is None else "moe-gpt"
+
+
+# ----------------------------------------------------------------------------- inspect
+
+
+def inspect(cfg: gpt.GPTConfig, p: gpt.GPTPlan, batch: int, *, as_json: bool = False) -> str:
+    """The clipped train step's ledger against the cost model (a table or one JSON object)."""
+    model = build(cfg, p, batch)
+    optimizer = optax.adamw(1e-3)
+    step = model.train_step(optimizer, clip_norm=1.0)
+    params = model.shard(gpt.init(0, cfg))
+    state = model.init_opt_state(optimizer, params)
+    inputs = model.shard_batch(*_ordered(p, *_batch(cfg, batch)))
+    measured = ledger.measure(step, params, state, *inputs, mesh=model.mesh)
+    local = sum(leaf.addressable_shards[0].data.size for leaf in jax.tree.leaves(params))
+    expectation = gpt.expectation(cfg, p, batch, local)
+    if expectation is None:
+        note = "no cost model for the Ulysses core: measured only"
+        if as_json:
+            return json.dumps({"model": _name(cfg), **measured.to_json(), "note": note})
+        return ledger.format_table(measured) + f"\n({note})"
+    report = Report(measured, expectation)
+    return json.dumps(report.to_json()) if as_json else report.format()
+
+
+# ----------------------------------------------------------------------------- train
+
+
+def train(
+    cfg: gpt.GPTConfig,
+    p: gpt.GPTPlan,
+    *,
+    steps: int,
+    batch: int,
+    lr: float = 1e-2,
+    seed: int = 0,
+    out: pathlib.Path | None = None,
+    warmup: int | None = None,
+    clip: float = 1.0,
+    weight_decay: float = 1e-4,
+    echo: Callable[..., Any] = print,
+) -> list[dict[str, Any]]:
+    """AdamW (linear warmup, 10% of the steps unless given; cosine decay; the gradients
+    clipped to ``clip``) on windows of the text; the records, one per step."""
+    model = build(cfg, p, batch)
+    warmup = max(1, steps // 10) if warmup is None else warmup
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1))
+    optimizer = optax.adamw(schedule, weight_decay=weight_decay)
+    step = model.train_step(optimizer, clip_norm=clip)
+    params = model.shard(gpt.init(seed, cfg))
+    state = model.init_opt_state(optimizer, params)
+    rng, records = np.random.default_rng(seed), []
+    for i in range(steps):
+        inputs = model.shard_batch(*_ordered(p, *_batch(cfg, batch, int(rng.integers(2**31)))))
+        params, state, metrics = step(params, state, *inputs)
+        record = {"step": i + 1, **_host(metrics)}
+        records.append(record)
+        if not math.isfinite(record["loss"]):
+            raise FloatingPointError(f"step {i + 1}: the loss is {record['loss']}; stopping.")
+        if i == 0 or (i + 1) % max(1, steps // 10) == 0 or i + 1 == steps:
+            echo(_line(record), flush=True)
+    if out is not None:
+        _write_run(out, cfg, p, batch, steps, records)
+    return records
+
+
+def _host(metrics: dict[str, Any]) -> dict[str, Any]:
+    got = jax.device_get(metrics)
+    return {k: (float(v) if np.ndim(v) == 0 else np.asarray(v).astype(int).tolist())
+            for k, v in got.items()}  # fmt: skip
+
+
+def _line(r: dict[str, Any]) -> str:
+    line = f"step {r['step']:5d}  loss {r['loss']:.4f}  grad norm {r['grad_norm']:.3f}"
+    if "dropped_fraction" in r:
+        line += f"  dropped {r['dropped_fraction']:6.1%}"
+    return line
+
+
+def _write_run(
+    out: pathlib.Path,
+    cfg: gpt.GPTConfig,
+    p: gpt.GPTPlan,
+    batch: int,
+    steps: int,
+    records: list[dict[str, Any]],
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    experts = None if cfg.experts is None else vars(cfg.experts)
+    config = {"model": _name(cfg), "dims": {k: v for k, v in vars(cfg).items() if k != "experts"},
+              "experts": experts, "plan": vars(p), "batch": batch, "steps": steps}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    plot(records, out / "curves.png")
+
+
+def plot(records: list[dict[str, Any]], path: pathlib.Path) -> None:
+    """The loss (and, with experts, the dropped fraction) against step, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    moe_run = "dropped_fraction" in records[0]
+    fig, axes = plt.subplots(1, 2 if moe_run else 1, figsize=(10 if moe_run else 5, 3.6))
+    ax_loss = axes[0] if moe_run else axes
+    steps = [r["step"] for r in records]
+    ax_loss.plot(steps, [r["loss"] for r in records], lw=1)
+    ax_loss.set(xlabel="step", ylabel="loss", yscale="log", title="training loss")
+    if moe_run:
+        axes[1].plot(steps, [100 * r["dropped_fraction"] for r in records], lw=1, color="C3")
+        axes[1].set(xlabel="step", ylabel="%", title="assignments dropped (no slot)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
