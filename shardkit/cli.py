@@ -40,34 +40,24 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_model_opts(p: argparse.ArgumentParser, batch: int, about: str) -> None:
     g = p.add_argument_group(f"model (default: the ViT, {about})")
-    g.add_argument(
-        "--model",
-        choices=("vit", "gpt", "moe-gpt"),
-        default="vit",
-        help="the ViT (default), or the Llama-style decoder on the Zen of Python, dense or "
-        "mixture-of-experts (the flags below --batch apply to it)",
-    )
+    g.add_argument("--model", choices=("vit", "gpt", "moe-gpt"), default="vit",
+                   help="the ViT (default), or the Llama-style decoder on the Zen of Python, "
+                   "dense or mixture-of-experts (the flags below --batch apply to it)")  # fmt: skip
     g.add_argument("--variant", help="mu, Ti/16, S/16, B/16 or L/16 (other flags override it)")
     for name in MODEL_FLAGS:
         g.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
     g.add_argument("--pool", choices=("tok", "gap"))
     g.add_argument("--posemb", choices=("learn", "sincos2d"))
     g.add_argument("--dtype", choices=("float32", "bfloat16"))
-    g.add_argument(
-        "--precision",
-        choices=("wide", "big_vision"),
-        help="under bf16: wide keeps the residual stream and softmax float32 (default), "
-        "big_vision computes them in bf16",
-    )
+    g.add_argument("--precision", choices=("wide", "big_vision"),
+                   help="under bf16: wide keeps the residual stream and softmax float32 "
+                   "(default), big_vision computes them in bf16")  # fmt: skip
     g.add_argument("--batch", type=int, help=f"global batch (default {batch}; the GPT: {LM_BATCH})")
     p.set_defaults(vit_batch=batch)
     g.add_argument("--experts", type=int, help="moe-gpt: experts per block (default 8)")
     g.add_argument("--top-k", type=int, default=2, help="moe-gpt: experts per token (2)")
-    g.add_argument(
-        "--capacity-factor",
-        default="1.25",
-        help="moe-gpt: slots per expert as a multiple of the even share, or none (dropless)",
-    )
+    g.add_argument("--capacity-factor", default="1.25", help="moe-gpt: slots per expert as a "
+                   "multiple of the even share, or none (dropless)")  # fmt: skip
 
 
 def _add_plan_opts(p: argparse.ArgumentParser) -> None:
@@ -75,44 +65,23 @@ def _add_plan_opts(p: argparse.ArgumentParser) -> None:
     g.add_argument("--devices", type=int, help="CPU devices (default: the --mesh's size, else 8)")
     g.add_argument("--mesh", help="e.g. data=2,seq=2,model=2 (omitted axes are 1)")
     g.add_argument("--sp", choices=SP_MODES)
-    g.add_argument(
-        "--ulysses",
-        type=int,
-        help="Ulysses factor of the seq axis for --sp usp, or for --sp megatron on a seq axis "
-        "(default there: a ring over seq)",
-    )
+    g.add_argument("--ulysses", type=int,
+                   help="Ulysses factor of the seq axis for --sp usp, or for --sp megatron on a "
+                   "seq axis (default there: a ring over seq)")  # fmt: skip
     g.add_argument("--fsdp", action="store_true", help="split params over data (= --zero 3)")
-    g.add_argument(
-        "--zero",
-        type=int,
-        choices=ZERO_LEVELS,
-        help="ZeRO level over data: 1 optimizer state split, 2 also gradients, 3 also params",
-    )
-    g.add_argument(
-        "--remat",
-        nargs="?",
-        const="full",
-        choices=REMAT_POLICIES,
-        help="what each block recomputes in backward: dots (keep the matmul outputs) or full "
-        "(the default when the flag is bare; re-gathers under FSDP)",
-    )
-    g.add_argument(
-        "--layers",
-        choices=LAYER_LOOPS,
-        help="run the blocks as one lax.scan (default) or unrolled (faster on a TPU, slower "
-        "to compile)",
-    )
-    g.add_argument(
-        "--pp",
-        choices=PP_MODES,
-        help="pipeline schedule over the stage axis (needs stage > 1 in --mesh)",
-    )
-    g.add_argument(
-        "--microbatches", type=int, metavar="M", help="pipeline microbatches per data shard (1)"
-    )
-    g.add_argument(
-        "--virtual", type=int, metavar="V", help="layer chunks per stage (--pp interleaved; 1)"
-    )
+    g.add_argument("--zero", type=int, choices=ZERO_LEVELS, help="ZeRO level over data: "
+                   "1 optimizer state split, 2 also gradients, 3 also params")  # fmt: skip
+    g.add_argument("--remat", nargs="?", const="full", choices=REMAT_POLICIES,
+                   help="what each block recomputes in backward: dots (keep the matmul "
+                   "outputs) or full (the default when bare; re-gathers under FSDP)")  # fmt: skip
+    g.add_argument("--layers", choices=LAYER_LOOPS, help="run the blocks as one lax.scan "
+                   "(default) or unrolled (faster on a TPU, slower to compile)")  # fmt: skip
+    g.add_argument("--pp", choices=PP_MODES, help="pipeline schedule over the stage axis "
+                   "(needs stage > 1 in --mesh)")  # fmt: skip
+    g.add_argument("--microbatches", type=int, metavar="M",
+                   help="pipeline microbatches per data shard (1)")  # fmt: skip
+    g.add_argument("--virtual", type=int, metavar="V",
+                   help="layer chunks per stage (--pp interleaved; 1)")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -303,39 +272,12 @@ def _mesh_devices(spec: str | None) -> int:
 
 
 def _setup_devices(n: int) -> None:
-    """``n`` CPU devices in all: here, or over the processes the ``SHARDKIT_*`` variables name
-    (``shardkit launch`` sets them; DESIGN.md's ``mesh.PROCESS_ENV``), joined into one mesh.
-    Only process 0 prints to stdout."""
-    from shardkit.mesh import Processes, set_cpu_devices
-    from shardkit.run.launch import start_watchdog
+    """``n`` CPU devices in all, here or over the processes of a launch (``run.launch``)."""
+    from shardkit.run.launch import join_devices
 
     if n < 1:
         raise UsageError(f"--devices must be positive, got {n}.")
-    procs = Processes.from_env()
-    if procs is None:
-        set_cpu_devices(n)
-        return
-    _native_stdout_to_devnull(keep_python_stdout=procs.index == 0)
-    procs.join(n)
-    start_watchdog(procs.index)
-
-
-def _native_stdout_to_devnull(keep_python_stdout: bool) -> None:
-    """File descriptor 1 to /dev/null: native libraries' prints (gloo writes a line per peer
-    connection there, from several threads at once) never mix into ``--json``. Python's
-    ``sys.stdout`` keeps the real stdout where ``keep_python_stdout``, else /dev/null too."""
-    import os
-
-    sys.stdout.flush()
-    real = os.dup(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.close(devnull)
-    if keep_python_stdout:
-        sys.stdout = os.fdopen(real, "w", buffering=1)
-    else:
-        os.close(real)
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's lifetime)
+    join_devices(n)
 
 
 def run_verify(args: argparse.Namespace) -> int:
@@ -613,28 +555,10 @@ def run_lm(args: argparse.Namespace) -> int:
     if args.command == "inspect":
         print(lm.inspect(cfg, plan, batch, as_json=args.json))
         return 0
-    return _train_lm(args, cfg, plan, batch)
-
-
-def _train_lm(args: argparse.Namespace, cfg: Any, plan: Any, batch: int) -> int:
-    import pathlib
-
-    from shardkit.run import lm, train
-
-    out = pathlib.Path(args.out) if args.out else None
-    if out is not None:
-        train.prepare_out_dir(out, args.force)
-    try:
-        records = lm.train(cfg, plan, steps=args.steps, batch=batch, lr=args.lr, seed=args.seed,
-                           out=out, warmup=args.warmup, clip=args.clip or float("inf"),
-                           weight_decay=args.weight_decay)  # fmt: skip
-    except FloatingPointError as err:
-        print(f"shardkit: {err}", file=sys.stderr)
-        return 1
-    last = records[-1]
-    wrote = f"; wrote {out}/{{metrics.jsonl,config.json,curves.png}}" if out else ""
-    print(f"step {last['step']}: loss {last['loss']:.4f}{wrote}")
-    return 0
+    return lm.train_command(cfg, plan, batch, steps=args.steps, lr=args.lr, seed=args.seed,
+                            out=args.out, force=args.force, warmup=args.warmup,
+                            clip=args.clip or float("inf"),
+                            weight_decay=args.weight_decay)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,15 +6,12 @@ The generic layer under every sharded model here (``ShardedViT`` is one user of 
   rules        logical name -> mesh axis, e.g. ``{"mlp": "model", "heads": "model"}``
                (add ``"embed": "data"`` for FSDP);
   loss_local   ``(params_local, *batch_local) -> share``: this device's share of the loss,
-               run inside ``shard_map`` on the local blocks of params and batch; with
-               ``aux=True`` it returns ``(share, metrics)``, a dict of values already reduced
-               to be the same on every device (a MoE layer's token counts), reported by the
-               step beside the loss (``loss_and_grads`` then returns ``{"loss": ..., **metrics}``
-               where it returned the loss);
+               run inside ``shard_map`` on the local blocks of params and batch; ``aux=True``:
+               ``(share, metrics)``, values the same on every device (a MoE's token counts),
+               reported beside the loss (``loss_and_grads`` returns ``{"loss", **metrics}``);
   batch_specs  one ``PartitionSpec`` per batch input (default: dim 0 over ``batch_axes``);
   token_axes   the mesh axes your forward splits tokens over (sequence parallelism; the
-               ``expert`` axis of expert parallelism, whose leaves split over it are the
-               experts' own and are synced over the other axes only);
+               ``expert`` axis: the leaves split over it, the experts', sync over the rest);
   token_free   path prefixes of the leaves used only after tokens are reduced (a classifier
                head after pooling), whose gradients are therefore whole on every token shard;
   gather       FSDP (a rule maps a name to a batch axis): True all-gathers every split leaf
@@ -273,16 +270,12 @@ class ShardedModel:
         if loss_local is None and pipeline is None:
             raise PlanError("Give loss_local (or a pipeline, whose stages compute the loss).")
         if aux and pipeline is not None:
-            raise PlanError(
-                "aux metrics are not supported under a pipeline (its stages compute "
-                "the loss); give aux=False."
-            )
+            raise PlanError("aux metrics are not supported under a pipeline; give aux=False.")
         if zero not in (1, 2, 3):
             raise PlanError(f"zero must be 1, 2 or 3 (the ZeRO level), got {zero!r}.")
         if compute_dtype not in (None, "float32", "bfloat16"):
             raise PlanError(f"compute_dtype must be float32 or bfloat16, got {compute_dtype!r}.")
-        self.compute_dtype, self.keep_float32 = compute_dtype, tuple(keep_float32)
-        self.aux = aux
+        self.compute_dtype, self.keep_float32, self.aux = compute_dtype, tuple(keep_float32), aux
         self.mesh, self.param_axes = mesh, param_axes
         self.loss_local = loss_local  # None for a pipelined model: its stages compute it
         self.rules = mesh_rules(rules, mesh)
@@ -375,14 +368,10 @@ class ShardedModel:
     def abstract_args(
         self, optimizer: optax.GradientTransformation, params: PyTree, *batch: Any
     ) -> tuple[Any, ...]:
-        """``train_step``'s arguments (params, optimizer state, *batch) as
-        ``jax.ShapeDtypeStruct``s carrying this model's shardings, from arrays or shapes:
-        ``model.train_step(opt).lower(*model.abstract_args(opt, shapes, *batch)).compile()``
-        compiles the step with no data and no devices to run on (a TPU slice's, say, from
-        ``run.target.topology_devices``)."""
-
-        def abstract(x: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        """``train_step``'s arguments (params, optimizer state, *batch) as shapes carrying
+        this model's shardings: ``train_step(opt).lower(*abstract_args(...)).compile()`` needs
+        no data and no devices to run on (a TPU slice's: ``run.target.topology_devices``)."""
+        abstract = lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)  # noqa: E731
 
         shapes = jax.eval_shape(lambda p: p, params)
         if self.pipeline is not None:

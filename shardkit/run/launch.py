@@ -257,3 +257,34 @@ def start_watchdog(index: int, environ: dict[str, str] | None = None) -> None:
                 os._exit(WATCHDOG_STATUS)
 
     threading.Thread(target=watch, name="shardkit-watchdog", daemon=True).start()
+
+
+def join_devices(n: int) -> None:
+    """``n`` CPU devices in all: here, or over the processes the ``SHARDKIT_*`` variables name
+    (``shardkit launch`` sets them; DESIGN.md's ``mesh.PROCESS_ENV``), joined into one mesh.
+    Only process 0 prints to stdout."""
+    from shardkit.mesh import Processes, set_cpu_devices
+
+    procs = Processes.from_env()
+    if procs is None:
+        set_cpu_devices(n)
+        return
+    _native_stdout_to_devnull(keep_python_stdout=procs.index == 0)
+    procs.join(n)
+    start_watchdog(procs.index)
+
+
+def _native_stdout_to_devnull(keep_python_stdout: bool) -> None:
+    """File descriptor 1 to /dev/null: native libraries' prints (gloo writes a line per peer
+    connection there, from several threads at once) never mix into ``--json``. Python's
+    ``sys.stdout`` keeps the real stdout where ``keep_python_stdout``, else /dev/null too."""
+    sys.stdout.flush()
+    real = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    if keep_python_stdout:
+        sys.stdout = os.fdopen(real, "w", buffering=1)
+    else:
+        os.close(real)
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's lifetime)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -233,6 +234,26 @@ def train(
     if out is not None:
         _write_run(out, cfg, p, batch, steps, records)
     return records
+
+
+def train_command(
+    cfg: gpt.GPTConfig, p: gpt.GPTPlan, batch: int, *, out: str | None, force: bool, **opts: Any
+) -> int:
+    """``shardkit train --model gpt | moe-gpt``: the run, its files in ``out`` (if given), the
+    closing line; 1 if the loss stopped being finite."""
+    from shardkit.run.train import prepare_out_dir
+
+    directory = pathlib.Path(out) if out else None
+    if directory is not None:
+        prepare_out_dir(directory, force)
+    try:
+        records = train(cfg, p, batch=batch, out=directory, **opts)
+    except FloatingPointError as err:
+        print(f"shardkit: {err}", file=sys.stderr)
+        return 1
+    wrote = f"; wrote {out}/{{metrics.jsonl,config.json,curves.png}}" if out else ""
+    print(f"step {records[-1]['step']}: loss {records[-1]['loss']:.4f}{wrote}")
+    return 0
 
 
 def _host(metrics: dict[str, Any]) -> dict[str, Any]:
