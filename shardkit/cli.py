@@ -542,6 +542,9 @@ def run_lm(args: argparse.Namespace) -> int:
     given = [f for f in flags if any(a == f or a.startswith(f + "=") for a in args.argv)]
     if given:
         raise UsageError(f"{given[0]} applies to the ViT only, not to --model {args.model}.")
+    moe_flags = [f for f in ("--experts", "--top-k", "--capacity-factor") if f in args.argv]
+    if args.model == "gpt" and moe_flags:
+        raise UsageError(f"{moe_flags[0]} needs --model moe-gpt (the gpt is dense).")
     from shardkit.run import lm
 
     _setup_devices(args.devices)

@@ -58,6 +58,8 @@ def test_train_moe_gpt_writes_its_run(tmp_path, capsys):
     [
         (["bench", "--model", "moe-gpt"], "bench runs the ViT only"),
         (["verify", "--model", "gpt", "--experts", "4"], "--experts needs --model moe-gpt"),
+        (["train", "--model", "gpt", "--capacity-factor", "2"],
+         "--capacity-factor needs --model moe-gpt"),
         (["verify", "--model", "moe-gpt", "--mesh", "expert=3"],
          "experts=8 is not divisible by expert=3"),
         (["verify", "--model", "gpt", "--mesh", "expert=2"],
