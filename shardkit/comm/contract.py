@@ -39,7 +39,16 @@ from shardkit.comm.bytes import (
     permute_bytes,
     reduce_scatter_bytes,
 )
-from shardkit.comm.ledger import GROUPS, AnyMesh, Ledger, Tally, measure, shift, shown_patterns
+from shardkit.comm.ledger import (
+    GROUPS,
+    AnyMesh,
+    Ledger,
+    Tally,
+    measure,
+    shift,
+    shown_patterns,
+    spanning,
+)
 from shardkit.comm.terms import Term, compare, compare_patterns, patterns_of
 
 Axes = tuple[str, ...]
@@ -110,11 +119,6 @@ def summary(expected: Sequence[Expected]) -> dict[tuple[str, Axes], Tally]:
     return out
 
 
-def _measured(ledger: Ledger) -> dict[tuple[str, Axes], Tally]:
-    """The ledger's summary without one-device groups (an axis of size 1 sends nothing)."""
-    return {key: t for key, t in ledger.summary().items() if key[1]}
-
-
 def differences(
     ledger: Ledger, expected: Sequence[Expected], rtol: float = 0.01, implicit_ok: bool = False
 ) -> list[str]:
@@ -127,7 +131,7 @@ def differences(
     cast (``Collective.origin == "implicit"``) is a difference too, with its source line: it
     means a reduction the program does not say it makes.
     """
-    problems = compare(summary(expected), _measured(ledger), rtol)
+    problems = compare(summary(expected), spanning(ledger.summary()), rtol)
     problems += compare_patterns(patterns_of(expected), ledger.patterns(), ledger.collectives, rtol)
     if not implicit_ok:
         problems += [
@@ -142,7 +146,7 @@ def differences(
 def format_diff(ledger: Ledger, expected: Sequence[Expected]) -> str:
     """Declared vs measured, one row per (kind, axes), the rows that differ (in ops, bytes or
     pattern) marked ✗, with the measured patterns other than axis groups."""
-    want, got = summary(expected), _measured(ledger)
+    want, got = summary(expected), spanning(ledger.summary())
     want_p, got_p = patterns_of(expected), ledger.patterns()
     lines = [f"{'collective':<20}{'axes':<20}{'count':>7}{'declared':>10}{'bytes':>14}"
              f"{'declared':>14}  ok  pattern"]  # fmt: skip

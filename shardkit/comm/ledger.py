@@ -473,6 +473,12 @@ def shift(step: int, n: int | None = None) -> str:
     return f"shift {k if n is None or 2 * k <= n else k - n:+d}"
 
 
+def spanning(by_key: dict[Any, Any]) -> dict[Any, Any]:
+    """A ``summary()`` or ``patterns()`` without its one-device groups (an axis of size 1 that
+    a spec names: nothing is sent); what contracts and reports compare."""
+    return {key: value for key, value in by_key.items() if key[1]}
+
+
 def shown_patterns(by: dict[str, Tally]) -> str:
     """The patterns of ``by`` other than plain axis groups, with their ops: ``shift +1 ×20,
     shift -1 ×20`` ("" when every op runs on its axes' groups)."""

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import Any
 
-from shardkit.comm.ledger import KINDS, Ledger, Tally, shown_patterns
+from shardkit.comm.ledger import KINDS, Ledger, Tally, shown_patterns, spanning
 from shardkit.comm.terms import Expectation, compare, compare_patterns
 
 Key = tuple[str, tuple[str, ...]]
@@ -83,8 +83,8 @@ class Report:
     @property
     def rows(self) -> tuple[Row, ...]:
         """One row per (kind, axes) measured or expected, in ``ledger.KINDS`` order."""
-        got, want = _spanning(self.ledger.summary()), self.expectation.summary()
-        got_p, want_p = _spanning(self.ledger.patterns()), self.expectation.patterns()
+        got, want = spanning(self.ledger.summary()), self.expectation.summary()
+        got_p, want_p = spanning(self.ledger.patterns()), self.expectation.patterns()
         zero = Tally(0, 0.0)
         keys = sorted(set(got) | set(want), key=_row_order)
         exact = self.expectation.exact
@@ -117,8 +117,8 @@ class Report:
         """One sentence per (kind, axes) that breaks the contract; [] when it holds."""
         e, led = self.expectation, self.ledger
         own = _inexact_counts(led)
-        own += compare(e.summary(), _spanning(led.summary()), RTOL, exact=e.exact)
-        own += compare_patterns(e.patterns(), _spanning(led.patterns()), led.collectives, RTOL)
+        own += compare(e.summary(), spanning(led.summary()), RTOL, exact=e.exact)
+        own += compare_patterns(e.patterns(), spanning(led.patterns()), led.collectives, RTOL)
         if not self.others:
             return own
         last = len(self.others)  # the other stages are 0 .. S−2
@@ -179,12 +179,6 @@ class Report:
             + _bound_note(self.expectation),
         ]
         return "\n".join(line for line in lines if line)
-
-
-def _spanning(by_key: dict[Any, Any]) -> dict[Any, Any]:
-    """A ledger's (kind, axes) entries without one-device groups (an axis of size 1 that a
-    spec names: nothing is sent, as ``contract.differences`` has it)."""
-    return {key: value for key, value in by_key.items() if key[1]}
 
 
 def _bound_note(e: Expectation) -> str:

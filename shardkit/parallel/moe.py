@@ -293,26 +293,25 @@ def _psum(x: Array, axes: Sequence[str]) -> Array:
 def load_balance_share(
     routing: Routing,
     cfg: MoE,
-    shape: tuple[int, int],
+    b: int,
     tokens_per_expert: Float[Array, " e"],
     seq_axes: Sequence[str],
     sequences: int,
+    length: int,
 ) -> Float[Array, ""]:
     """This device's share of the load-balance loss.
 
-    ``shape``: its tokens' (b, t); ``tokens_per_expert``: the global counts (``"batch"``);
-    ``seq_axes``: the axes splitting each sequence (``"sequence"`` sums its counts over
-    them); ``sequences``: the global batch, B.
+    ``b``: its sequences (their local parts); ``tokens_per_expert``: the global counts
+    (``"batch"``); ``seq_axes``: the axes splitting each sequence (``"sequence"`` sums its
+    counts over them); ``sequences``, ``length``: the global batch B and sequence length T.
     """
-    b, t = shape
     if cfg.aux == "batch":
-        count = sequences * t * math.prod(axis_size(a) for a in seq_axes)
+        count = sequences * length
         f = tokens_per_expert / (count * cfg.top_k)
         return cfg.experts * jnp.sum(f * routing.probs.sum(0)) / count
-    onehot = jax.nn.one_hot(routing.experts.reshape(b, t, cfg.top_k), cfg.experts)
+    onehot = jax.nn.one_hot(routing.experts.reshape(b, -1, cfg.top_k), cfg.experts)
     per_seq = jax.lax.stop_gradient(_psum(onehot.astype(jnp.float32).sum((1, 2)), seq_axes))
-    length = t * math.prod(axis_size(a) for a in seq_axes)
-    p = routing.probs.reshape(b, t, cfg.experts).sum(1) / length  # this part of each sequence
+    p = routing.probs.reshape(b, -1, cfg.experts).sum(1) / length  # this part of each sequence
     return cfg.experts * jnp.sum(per_seq / (length * cfg.top_k) * p) / sequences
 
 
@@ -380,12 +379,11 @@ def moe_layer(
     groups = (*batch_axes, *seq_axes)
     tokens_per_expert, dropped = _global_counts(routing, slots, cfg, groups)
     sequences = b * math.prod(axis_size(a) for a in batch_axes)
-    count = sequences * t * math.prod(axis_size(a) for a in seq_axes)
+    length = t * math.prod(axis_size(a) for a in seq_axes)
+    share = load_balance_share(routing, cfg, b, tokens_per_expert, seq_axes, sequences, length)
     aux = MoEAux(
-        load_balance=load_balance_share(
-            routing, cfg, (b, t), tokens_per_expert, seq_axes, sequences
-        ),
-        router_z=z_loss_share(routing, count),
+        load_balance=share,
+        router_z=z_loss_share(routing, sequences * length),
         tokens_per_expert=tokens_per_expert,
         dropped=dropped,
     )
