@@ -120,22 +120,16 @@ def _add_launch_parser(sub: Any) -> None:
         usage="shardkit launch --procs P --devices-per-proc D [options] -- SUBCOMMAND [flags]",
     )
     launch.add_argument("--procs", type=int, required=True, metavar="P", help="processes")
-    launch.add_argument(
-        "--devices-per-proc", type=int, required=True, metavar="D", help="CPU devices each"
-    )
+    launch.add_argument("--devices-per-proc", type=int, required=True, metavar="D",
+                        help="CPU devices each")  # fmt: skip
     launch.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 (default: free)")
     launch.add_argument("--timeout", type=float, metavar="S", help="kill everything after S s")
-    launch.add_argument(
-        "--watchdog", type=float, default=600, metavar="S",
-        help="a process without progress for S s exits (600)",
-    )  # fmt: skip
-    launch.add_argument(
-        "--heartbeat", type=int, default=10, metavar="S",
-        help="a peer silent for S s is declared dead (10; processes started by hand)",
-    )  # fmt: skip
-    launch.add_argument(
-        "--log-dir", metavar="DIR", help="process-K.log files (default: a temp dir)"
-    )
+    launch.add_argument("--watchdog", type=float, default=600, metavar="S",
+                        help="a process without progress for S s exits (600)")  # fmt: skip
+    launch.add_argument("--heartbeat", type=int, default=10, metavar="S", help="a peer silent "
+                        "for S s is declared dead (10; processes started by hand)")  # fmt: skip
+    launch.add_argument("--log-dir", metavar="DIR",
+                        help="process-K.log files (default: a temp dir)")  # fmt: skip
     launch.add_argument("subcommand", nargs=argparse.REMAINDER, help="-- then the subcommand")
 
 
@@ -150,16 +144,11 @@ def _add_bench_parser(sub: Any) -> None:
     bench.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     bench.add_argument("--plot", metavar="FILE.png", help="draw time and bytes per strategy")
     chip = bench.add_argument_group("one device's throughput (--chip)")
-    chip.add_argument(
-        "--chip",
-        action="store_true",
-        help="vit_ref vs the sharded ViT on the first device: img/s, MFU, memory (default model "
-        "B/16, bfloat16)",
-    )
+    chip.add_argument("--chip", action="store_true", help="vit_ref vs the sharded ViT on the "
+                      "first device: img/s, MFU, memory (default B/16, bfloat16)")  # fmt: skip
     chip.add_argument("--batches", default="32,64,128,256", help="comma-separated batch sizes")
-    chip.add_argument(
-        "--remats", default="dots", help=f"comma-separated remat policies of {REMAT_POLICIES}"
-    )
+    chip.add_argument("--remats", default="dots",
+                      help=f"comma-separated remat policies of {REMAT_POLICIES}")  # fmt: skip
 
 
 def _add_train_parser(sub: Any) -> None:
@@ -176,23 +165,18 @@ def _add_train_parser(sub: Any) -> None:
     g.add_argument("--seed", type=int, default=d.seed, help="init and data order (0)")
     g.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate ({d.lr})")
     g.add_argument("--warmup", type=int, help="linear warmup steps (10%% of --steps)")
-    g.add_argument(
-        "--clip", type=float, default=d.clip, help=f"gradient-norm bound ({d.clip}; 0: off)"
-    )
+    g.add_argument("--clip", type=float, default=d.clip,
+                   help=f"gradient-norm bound ({d.clip}; 0: off)")  # fmt: skip
     g.add_argument("--weight-decay", type=float, default=d.weight_decay)
     g.add_argument("--eval-every", type=int, default=d.eval_every, metavar="K")
     g.add_argument("--cache", metavar="DIR", help="compilation cache (default: user cache; none)")
     g.add_argument("--force", action="store_true", help="overwrite an existing run directory")
     g = train.add_argument_group("checkpoints (orbax; DIR/checkpoints/<step>)")
-    g.add_argument(
-        "--checkpoint-every", type=int, metavar="K", help="save every K steps and at the end"
-    )
+    g.add_argument("--checkpoint-every", type=int, metavar="K",
+                   help="save every K steps and at the end")  # fmt: skip
     g.add_argument("--keep", type=int, default=3, metavar="N", help="keep the newest N (3)")
-    g.add_argument(
-        "--resume",
-        metavar="DIR",
-        help="continue run DIR from its newest valid checkpoint (any plan)",
-    )
+    g.add_argument("--resume", metavar="DIR",
+                   help="continue run DIR from its newest valid checkpoint (any plan)")  # fmt: skip
 
 
 def model_config(
@@ -425,38 +409,46 @@ def _bench_cases(args: argparse.Namespace) -> list[Any]:
             raise UsageError("give either --strategies or plan options (--mesh ...), not both.")
         return [Case("custom", plan_from_args(args))]
     cases = _with_layers(bench.strategies(args.devices), args.layers)
-    if not args.strategies:
-        return cases
-    by_name = {case.name.lower(): case for case in cases}
-    wanted = [name.strip() for name in args.strategies.split(",") if name.strip()]
+    chosen = _chosen(args.strategies, {case.name: case for case in cases})
+    return list(chosen.values())
+
+
+def _chosen(strategies: str | None, named: dict[str, Any]) -> dict[str, Any]:
+    """The ``--strategies`` of ``named`` (all if not given; names case-insensitive)."""
+    if not strategies:
+        return named
+    by_name = {name.lower(): name for name in named}
+    wanted = [name.strip() for name in strategies.split(",") if name.strip()]
     unknown = [name for name in wanted if name.lower() not in by_name]
     if unknown or not wanted:
-        names = ", ".join(case.name for case in cases)
-        raise UsageError(
-            f"unknown strategy {unknown[0] if unknown else '(none)'!r}; choose from {names}."
-        )
-    return [by_name[name.lower()] for name in wanted]
+        raise UsageError(f"unknown strategy {unknown[0] if unknown else '(none)'!r}; "
+                         f"choose from {', '.join(named)}.")  # fmt: skip
+    return {by_name[w.lower()]: named[by_name[w.lower()]] for w in wanted}
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    from shardkit.run import bench
-
+def _check_bench_flags(args: argparse.Namespace) -> None:
     if args.steps < 1 or args.warmup < 0:
         raise UsageError(
             f"--steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}."
         )
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib: pip install 'shardkit[plot]'.")
+
+
+def _progress(what: str) -> None:
+    print(f"bench: {what}", file=sys.stderr, flush=True)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from shardkit.run import bench
+
+    _check_bench_flags(args)
     if args.chip:
         return _run_chip_bench(args)
     _setup_devices(args.devices)
     cfg = model_config(args, bench.DEFAULT_MODEL)
     cases = _bench_cases(args)
-
-    def progress(what: str) -> None:
-        print(f"bench: {what}", file=sys.stderr, flush=True)
-
-    result = bench.run(cfg, cases, args.batch, args.steps, args.warmup, progress)
+    result = bench.run(cfg, cases, args.batch, args.steps, args.warmup, _progress)
     if args.plot:
         bench.plot(result, args.plot)
     print(json.dumps(result) if args.json else bench.format_table(result, args.markdown))
@@ -489,12 +481,8 @@ def _run_chip_bench(args: argparse.Namespace) -> int:
     if args.variant is None and args.dim is None:
         args.variant, args.dtype = "B/16", args.dtype or "bfloat16"
     cfg = model_config(args, head_zeroinit=False)
-
-    def progress(what: str) -> None:
-        print(f"bench: {what}", file=sys.stderr, flush=True)
-
     result = throughput.run(cfg, batches, remats, steps=args.steps, warmup=args.warmup,
-                            progress=progress, layers=args.layers or "scan")  # fmt: skip
+                            progress=_progress, layers=args.layers or "scan")  # fmt: skip
     if args.plot:
         throughput.plot(result, args.plot)
     print(json.dumps(result) if args.json else throughput.format_table(result))
@@ -528,17 +516,15 @@ def run_launch(args: argparse.Namespace) -> int:
 
 VIT_ONLY = (*MODEL_FLAGS, "variant", "pool", "posemb", "dtype", "precision", "ulysses", "zero",
             "remat", "layers", "pp", "microbatches", "virtual", "hlo", "plot", "target",
-            "resume", "checkpoint_every", "keep", "eval_every", "cache", "data")  # fmt: skip
+            "resume", "checkpoint_every", "keep", "eval_every", "cache", "data", "chip",
+            "batches", "remats")  # fmt: skip
 
 
 def run_lm(args: argparse.Namespace) -> int:
-    """``verify``, ``inspect`` or ``train`` of ``--model gpt`` / ``moe-gpt`` (``run.lm``)."""
-    if args.command not in ("verify", "inspect", "train"):
-        raise UsageError(
-            f"{args.command} runs the ViT only; the GPT's comparison with XLA's partitioner is "
-            "benchmarks/moe_ep.py (the MoE block)."
-        )
-    flags = ["--" + n.replace("_", "-") for n in VIT_ONLY]
+    """``verify``, ``inspect``, ``train`` or ``bench`` of ``--model gpt`` / ``moe-gpt``
+    (``run.lm``, ``run.lm_bench``)."""
+    kept = ("plot",) if args.command == "bench" else ()
+    flags = ["--" + n.replace("_", "-") for n in VIT_ONLY if n not in kept]
     given = [f for f in flags if any(a == f or a.startswith(f + "=") for a in args.argv)]
     if given:
         raise UsageError(f"{given[0]} applies to the ViT only, not to --model {args.model}.")
@@ -558,10 +544,28 @@ def run_lm(args: argparse.Namespace) -> int:
     if args.command == "inspect":
         print(lm.inspect(cfg, plan, batch, as_json=args.json))
         return 0
+    if args.command == "bench":
+        return _run_lm_bench(args, cfg, batch, plan if given_plan else None)
     return lm.train_command(cfg, plan, batch, steps=args.steps, lr=args.lr, seed=args.seed,
                             out=args.out, force=args.force, warmup=args.warmup,
                             clip=args.clip or float("inf"),
                             weight_decay=args.weight_decay)  # fmt: skip
+
+
+def _run_lm_bench(args: argparse.Namespace, cfg: Any, batch: int, plan: Any) -> int:
+    """``bench --model gpt | moe-gpt``: the given plan, or the default plans (``--strategies``)."""
+    from shardkit.run import bench, lm, lm_bench
+
+    _check_bench_flags(args)
+    if plan is not None and args.strategies:
+        raise UsageError("give either --strategies or plan options (--mesh ...), not both.")
+    cfg = lm_bench.bench_config(cfg)
+    plans = _chosen(args.strategies, lm.default_plans(cfg)) if plan is None else {"custom": plan}
+    result = lm_bench.run(cfg, plans, batch, args.steps, args.warmup, _progress)
+    if args.plot:
+        bench.plot(result, args.plot)
+    print(json.dumps(result) if args.json else lm_bench.format_table(result, args.markdown))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

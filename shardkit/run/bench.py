@@ -115,7 +115,7 @@ class Contender:
         return time.perf_counter() - t0
 
 
-def _compiled(fn: Any, *args: Any) -> tuple[Any, float, str]:
+def compile_timed(fn: Any, *args: Any) -> tuple[Any, float, str]:
     """(compiled, compile seconds, lowered text)."""
     t0 = time.perf_counter()
     lowered = fn.lower(*args)
@@ -129,7 +129,7 @@ def shardkit_contender(cfg: vit_ref.ViTConfig, plan: Plan, params: Any, batch: A
     placed = model.shard(params)
     state = model.init_opt_state(optimizer, placed)
     data = model.shard_batch(*batch)
-    step, seconds, program = _compiled(model.train_step(optimizer), placed, state, *data)
+    step, seconds, program = compile_timed(model.train_step(optimizer), placed, state, *data)
     return Contender(step, placed, state, data, seconds, program, ledger_of(step, model.mesh))
 
 
@@ -141,7 +141,7 @@ def auto_contender(cfg: vit_ref.ViTConfig, plan: Plan, params: Any, batch: Any) 
     state = jax.jit(optimizer.init, out_shardings=opt_shardings)(placed)
     data_sharding = NamedSharding(mesh, P("data") if plan.size("data") > 1 else P())
     data = tuple(jax.device_put(a, data_sharding) for a in batch)
-    step, seconds, program = _compiled(step_fn, placed, state, *data)
+    step, seconds, program = compile_timed(step_fn, placed, state, *data)
     return Contender(step, placed, state, data, seconds, program, ledger_of(step, mesh))
 
 
@@ -151,7 +151,7 @@ def single_device_contender(cfg: vit_ref.ViTConfig, params: Any, batch: Any) -> 
     placed = jax.device_put(jax.tree.map(jnp.copy, params), device)
     state = jax.jit(optimizer.init)(placed)
     data = tuple(jax.device_put(a, device) for a in batch)
-    step, seconds, program = _compiled(
+    step, seconds, program = compile_timed(
         vit_ref.make_train_step(cfg, optimizer, remat="none"), placed, state, *data
     )
     return Contender(step, placed, state, data, seconds, program)
@@ -174,7 +174,7 @@ class Row:
                 "auto_error": self.auto_error}  # fmt: skip
 
 
-def _stats(prefix: str, times: Sequence[float]) -> dict[str, float]:
+def time_stats(prefix: str, times: Sequence[float]) -> dict[str, float]:
     return {
         f"{prefix}_step_s": statistics.median(times),
         f"{prefix}_step_min_s": min(times),
@@ -182,7 +182,7 @@ def _stats(prefix: str, times: Sequence[float]) -> dict[str, float]:
     }
 
 
-def _memory(prefix: str, ledger: Ledger | None) -> dict[str, int | None]:
+def memory_stats(prefix: str, ledger: Ledger | None) -> dict[str, int | None]:
     mem = ledger.memory if ledger is not None else None
     return {
         f"{prefix}_argument_bytes": mem.argument if mem else None,
@@ -199,11 +199,11 @@ def _row(
     # Per stage under a pipeline: the raw ledger counts every stage's schedule branches.
     contract = report_of(ours.ledger, cfg, case.plan, batch)
     v: dict[str, Any] = {
-        **_stats("shardkit", ours.times),
-        **_stats("single_device", single.times),
+        **time_stats("shardkit", ours.times),
+        **time_stats("single_device", single.times),
         "shardkit_bytes_sent": contract.measured_bytes_sent,
         "expected_bytes_sent": contract.expected_bytes_sent,
-        **_memory("shardkit", ours.ledger),
+        **memory_stats("shardkit", ours.ledger),
         "shardkit_compile_s": ours.compile_s,
         "model_flops": flops,
         "peak_flops_per_s": peak,
@@ -213,7 +213,7 @@ def _row(
     v["shardkit_mfu"] = v["shardkit_flops_per_s"] / peak
     v["single_device_mfu"] = flops / v["single_device_step_s"] / peak
     if auto is not None and auto.ledger is not None:
-        v |= _stats("auto", auto.times) | _memory("auto", auto.ledger)
+        v |= time_stats("auto", auto.times) | memory_stats("auto", auto.ledger)
         v["auto_bytes_sent"] = auto.ledger.total_bytes_sent()
         v["auto_compile_s"] = auto.compile_s
         v["ratio_vs_auto"] = v["shardkit_step_s"] / v["auto_step_s"]
@@ -298,8 +298,8 @@ COLUMNS = [  # header, key, format
 
 
 def _cell(value: Any, fmt: str) -> str:
-    if value is None:
-        return "failed" if fmt != "{}" else "-"
+    if value is None:  # a contender that failed (named below the table), or nothing to state
+        return "-"
     scale = {"ms": (1e3, "{:.1f}"), "MB": (1e-6, "{:.2f}"), "MiB": (2**-20, "{:.1f}")}
     if fmt in scale:
         factor, fmt = scale[fmt]
@@ -315,10 +315,14 @@ def _aligned(cells: Sequence[str], widths: Sequence[int]) -> str:
     )
 
 
-def format_table(result: dict[str, Any], markdown: bool = False) -> str:
+def format_table(
+    result: dict[str, Any],
+    markdown: bool = False,
+    columns: Sequence[tuple[str, str, str]] = COLUMNS,
+) -> str:
     """The rows as a plain-text (or Markdown) table, then the peak and the failures."""
-    header = [name for name, _, _ in COLUMNS]
-    body = [[_cell(row.get(key), fmt) for _, key, fmt in COLUMNS] for row in result["rows"]]
+    header = [name for name, _, _ in columns]
+    body = [[_cell(row.get(key), fmt) for _, key, fmt in columns] for row in result["rows"]]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(cells) + " |" for cells in body]

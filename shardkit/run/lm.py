@@ -98,11 +98,13 @@ def build(cfg: gpt.GPTConfig, p: gpt.GPTPlan, batch: int) -> ShardedModel:
     return gpt.sharded_gpt(make_mesh(p.mesh), cfg, p)
 
 
-def _batch(cfg: gpt.GPTConfig, batch: int, seed: int = 0) -> tuple[jax.Array, jax.Array]:
+def sample(cfg: gpt.GPTConfig, batch: int, seed: int = 0) -> tuple[jax.Array, jax.Array]:
+    """x, y[batch, T]: windows of the text in natural order (seeded)."""
     return gpt.windows(np.random.default_rng(seed), batch, cfg.tokens)
 
 
-def _ordered(p: gpt.GPTPlan, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+def ordered(p: gpt.GPTPlan, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """[B, T] arrays in the plan's layout order over seq (what its batch spec expects)."""
     return tuple(layouts.to_layout(a, p.mesh["seq"], p.layout) for a in arrays)
 
 
@@ -116,10 +118,10 @@ def _loss(out: Any) -> Any:
 def verify_case(cfg: gpt.GPTConfig, name: str, p: gpt.GPTPlan, batch: int) -> dict[str, Any]:
     """One plan against the twin: the ``verify --json`` case object."""
     model = build(cfg, p, batch)
-    params, (x, y) = gpt.init(0, cfg), _batch(cfg, batch)
+    params, (x, y) = gpt.init(0, cfg), sample(cfg, batch)
 
     def sharded(params: Any, x: jax.Array, y: jax.Array) -> tuple[Any, Any]:
-        out, grads = model.loss_and_grads(params, *_ordered(p, x, y))
+        out, grads = model.loss_and_grads(params, *ordered(p, x, y))
         return _loss(out), grads
 
     def twin(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -159,15 +161,23 @@ def verify(
                             "✓" if c["ok"] else f"✗ {c['worst']}"), flush=True)  # fmt: skip
     ok = all(c["ok"] for c in cases)
     if as_json:
-        echo(json.dumps({"ok": ok, "model": _name(cfg), "cases": cases}))
+        echo(json.dumps({"ok": ok, "model": model_name(cfg), "cases": cases}))
     else:
         echo(f"{sum(c['ok'] for c in cases)}/{len(cases)} plans match the twin "
-             f"({_name(cfg)}, batch {batch}, tolerance {TOLERANCE:g}).")  # fmt: skip
+             f"({model_name(cfg)}, batch {batch}, tolerance {TOLERANCE:g}).")  # fmt: skip
     return ok
 
 
-def _name(cfg: gpt.GPTConfig) -> str:
+def model_name(cfg: gpt.GPTConfig) -> str:
+    """The ``--model`` name of ``cfg``."""
     return "gpt" if cfg.experts is None else "moe-gpt"
+
+
+def describe(cfg: gpt.GPTConfig) -> dict[str, Any]:
+    """``{"model", "dims", "experts"}``: the config as a run's JSON states it."""
+    experts = None if cfg.experts is None else vars(cfg.experts)
+    dims = {k: v for k, v in vars(cfg).items() if k != "experts"}
+    return {"model": model_name(cfg), "dims": dims, "experts": experts}
 
 
 # ----------------------------------------------------------------------------- inspect
@@ -180,14 +190,14 @@ def inspect(cfg: gpt.GPTConfig, p: gpt.GPTPlan, batch: int, *, as_json: bool = F
     step = model.train_step(optimizer, clip_norm=1.0)
     params = model.shard(gpt.init(0, cfg))
     state = model.init_opt_state(optimizer, params)
-    inputs = model.shard_batch(*_ordered(p, *_batch(cfg, batch)))
+    inputs = model.shard_batch(*ordered(p, *sample(cfg, batch)))
     measured = ledger.measure(step, params, state, *inputs, mesh=model.mesh)
     local = sum(leaf.addressable_shards[0].data.size for leaf in jax.tree.leaves(params))
     expectation = gpt.expectation(cfg, p, batch, local)
     if expectation is None:
         note = "no cost model for the Ulysses core: measured only"
         if as_json:
-            return json.dumps({"model": _name(cfg), **measured.to_json(), "note": note})
+            return json.dumps({"model": model_name(cfg), **measured.to_json(), "note": note})
         return ledger.format_table(measured) + f"\n({note})"
     report = Report(measured, expectation)
     return json.dumps(report.to_json()) if as_json else report.format()
@@ -221,7 +231,7 @@ def train(
     state = model.init_opt_state(optimizer, params)
     rng, records = np.random.default_rng(seed), []
     for i in range(steps):
-        inputs = model.shard_batch(*_ordered(p, *_batch(cfg, batch, int(rng.integers(2**31)))))
+        inputs = model.shard_batch(*ordered(p, *sample(cfg, batch, int(rng.integers(2**31)))))
         params, state, metrics = step(params, state, *inputs)
         record = {"step": i + 1, **_host(metrics)}
         records.append(record)
@@ -278,9 +288,7 @@ def _write_run(
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
-    experts = None if cfg.experts is None else vars(cfg.experts)
-    config = {"model": _name(cfg), "dims": {k: v for k, v in vars(cfg).items() if k != "experts"},
-              "experts": experts, "plan": vars(p), "batch": batch, "steps": steps}  # fmt: skip
+    config = {**describe(cfg), "plan": vars(p), "batch": batch, "steps": steps}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     plot(records, out / "curves.png")
 

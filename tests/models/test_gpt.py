@@ -34,12 +34,12 @@ def local_param_count(model, params):
     return sum(leaf.addressable_shards[0].data.size for leaf in jax.tree.leaves(placed))
 
 
-def measured_step(shape, kv_heads, experts=None):
-    """The ledger of the GPT's clipped train step on ``shape`` (zigzag over seq), held to
-    ``models.gpt.cost.expected``."""
+def measured_step(shape, kv_heads, experts=None, fsdp=False):
+    """The ledger of the GPT's clipped train step on ``shape`` (zigzag over seq; ``fsdp``:
+    params split over data), held to ``models.gpt.cost.expected``."""
     base = gpt.GPTConfig() if experts is None else gpt.moe_config(experts)
     cfg = dataclasses.replace(base, kv_heads=kv_heads)
-    plan = gpt.GPTPlan(shape, "zigzag" if shape.get("seq", 1) > 1 else "contiguous")
+    plan = gpt.GPTPlan(shape, "zigzag" if shape.get("seq", 1) > 1 else "contiguous", fsdp=fsdp)
     gpt.check_plan(cfg, plan, BATCH)
     model = gpt.sharded_gpt(shardkit.make_mesh(shape), cfg, plan)
     params = gpt.init(0, cfg)
@@ -65,6 +65,18 @@ MESHES = [  # the last: model outnumbers the KV heads (kv_repeat)
 @pytest.mark.parametrize("shape", MESHES)
 def test_gpt_step_meets_its_contract(shape):
     measured_step(shape, kv_heads=2)
+
+
+@pytest.mark.parametrize(
+    ("shape", "experts"),
+    [({"data": 4, "model": 2}, None), ({"data": 2, "expert": 4}, moe.MoE(8, 2, 1.25)),
+     ({"data": 2, "expert": 2, "seq": 2}, moe.MoE(8, 2, 1.25))],
+)  # fmt: skip
+def test_fsdp_step_meets_its_contract(shape, experts):
+    """FSDP: one all-gather and one reduce-scatter over data per bucket (two with TP), the
+    rest of the gradient sync over expert × seq only (the experts': seq), the loss alone or
+    with the norm: exact, dense and MoE (the EP × FSDP plan of ``shardkit verify``)."""
+    measured_step(shape, kv_heads=2, experts=experts, fsdp=True)
 
 
 def test_gqa_ring_moves_h_kv_over_h_of_mha_in_the_whole_step():

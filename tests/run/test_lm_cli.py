@@ -1,6 +1,6 @@
-"""``shardkit verify | inspect | train --model gpt / moe-gpt``: the decoder through the command
-line — sharded == twin, the step's contract from ``models.gpt.cost``, a training run's files —
-and every flag that does not apply to it refused in one line, exit 2."""
+"""``shardkit verify | inspect | train | bench --model gpt / moe-gpt``: the decoder through
+the command line — sharded == twin, the step's contract from ``models.gpt.cost``, a training
+run's files — and every flag that does not apply to it refused in one line, exit 2."""
 
 from __future__ import annotations
 
@@ -56,7 +56,11 @@ def test_train_moe_gpt_writes_its_run(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["bench", "--model", "moe-gpt"], "bench runs the ViT only"),
+        (["bench", "--model", "gpt", "--chip"], "--chip applies to the ViT only"),
+        (["bench", "--model", "moe-gpt", "--strategies", "nope"], "unknown strategy 'nope'"),
+        (["bench", "--model", "gpt", "--mesh", "data=8", "--strategies", "FSDP"],
+         "give either --strategies or plan options"),
+        (["bench", "--model", "gpt", "--steps", "0"], "--steps must be >= 1"),
         (["verify", "--model", "gpt", "--experts", "4"], "--experts needs --model moe-gpt"),
         (["train", "--model", "gpt", "--capacity-factor", "2"],
          "--capacity-factor needs --model moe-gpt"),

@@ -2,7 +2,7 @@
 ``ShardedModel``: ``model`` (config, plan and its checks, params, the twin, the sharded
 decoder, the text data) and ``cost`` (its train step's collectives on paper)."""
 
-from shardkit.models.gpt.cost import GPTExpectation, expectation, expected
+from shardkit.models.gpt.cost import GPTExpectation, expectation, expected, model_flops
 from shardkit.models.gpt.model import (
     CHARS,
     VOCAB,
@@ -29,6 +29,7 @@ __all__ = [
     "expectation",
     "expected",
     "init",
+    "model_flops",
     "moe_config",
     "param_axes",
     "rules",

@@ -13,6 +13,12 @@ Per step, with b·t local tokens of width D (w = 4 bytes, float32), L layers:
               E + 1 counts over data × expert × seq; with TP, g and f on [E/X, X·C, D]
   data, expert, seq   the gradients (the experts' own over data × seq only) and the loss, one
               op each; the gradient norm over every axis
+  FSDP        every leaf has an embed dim, so every leaf is split over data: one all-gather
+              over data per bucket forward, its reduce-scatter backward, (n−1)/n · the
+              gathered bytes each (two buckets with TP: the leaves varying over model and the
+              rest); the reduce-scatter sums over data, so the gradients' all-reduce spans
+              expert × seq only (the experts': seq only) and the loss goes alone, or with the
+              gradient norm when its axes are every axis (one op of 2·w)
 
 The Ulysses core has no terms here (``expected`` returns None for it).
 """
@@ -71,7 +77,8 @@ def expected(cfg: GPTConfig, plan: GPTPlan, batch: int, local_params: int) -> li
         return None
     n_data, n_ep, n_seq, n_model = (mesh[a] for a in ("data", "expert", "seq", "model"))
     b, t, layers = batch // (n_data * n_ep), cfg.tokens // n_seq, cfg.layers
-    out = [] if cfg.experts is None else moe_terms(cfg, cfg.experts, mesh, b * t)
+    fsdp = plan.fsdp and n_data > 1
+    out = [] if cfg.experts is None else moe_terms(cfg, cfg.experts, mesh, b * t, fsdp)
     if n_model > 1:
         out += _tp_terms(cfg, n_model, b * t)
     if n_seq > 1:  # K, V: n−1 hops forward and again backward; dK, dV: n hops home
@@ -79,14 +86,39 @@ def expected(cfg: GPTConfig, plan: GPTPlan, batch: int, local_params: int) -> li
         kv = b * t * local_kv * (cfg.dim // cfg.heads) * W
         hops = 2 * layers * (n_seq - 1) * 2 + 2 * layers * n_seq
         out.append(contract.permute("seq", kv, hops, "K, V, dK, dV blocks of h_kv heads"))
+    experts = 0 if cfg.experts is None else expert_params(cfg, cfg.experts, mesh)
+    if fsdp:
+        return out + _fsdp_terms(mesh, local_params, local_params - experts // n_data)
     sync = _axes(mesh, ("data", "expert", "seq"))
     if sync:  # every gradient bucket and the loss, combined into one op at the step's end
-        experts = 0 if cfg.experts is None else expert_params(cfg, cfg.experts, mesh)
         size = (local_params - experts + 1) * W
         out.append(contract.all_reduce(sync, size, n_data * n_ep * n_seq, 1, "gradients + loss"))
     every = _axes(mesh, ("data", "expert", "seq", "model"))
     out.append(contract.all_reduce(every, W, math.prod(mesh.values()), 1, "gradient norm"))
     return out
+
+
+def _fsdp_terms(mesh: dict[str, int], local_params: int, dense_local: int) -> list[Term]:
+    """FSDP over data: the buckets' all-gathers and reduce-scatters, the rest of the gradient
+    sync (``dense_local``: one device's elements of the non-expert leaves), the loss, the
+    gradient norm."""
+    n_data = mesh["data"]
+    buckets = 2 if mesh["model"] > 1 else 1  # varying over model, or not
+    gathered = local_params * n_data * W / buckets
+    out = [
+        contract.all_gather("data", gathered, n_data, buckets, "params, per bucket"),
+        contract.reduce_scatter("data", gathered, n_data, buckets, "their gradients"),
+    ]
+    rest = _axes(mesh, ("expert", "seq"))
+    if rest:
+        n = math.prod(mesh[a] for a in rest)
+        out.append(contract.all_reduce(rest, dense_local * W, n, 1, "gradients (not experts')"))
+    loss, every = _axes(mesh, ("data", "expert", "seq")), _axes(mesh, tuple(mesh))
+    n_loss, n_all = math.prod(mesh[a] for a in loss), math.prod(mesh.values())
+    if loss == every:  # the same group: XLA combines the two scalars
+        return [*out, contract.all_reduce(every, 2 * W, n_all, 1, "loss + gradient norm")]
+    return [*out, contract.all_reduce(loss, W, n_loss, 1, "loss"),
+            contract.all_reduce(every, W, n_all, 1, "gradient norm")]  # fmt: skip
 
 
 def _tp_terms(cfg: GPTConfig, n_model: int, tokens: int) -> list[Term]:
@@ -112,7 +144,9 @@ def expert_params(cfg: GPTConfig, experts: MoE, mesh: dict[str, int]) -> int:
     return 3 * cfg.layers * local * cfg.dim * cfg.mlp // mesh["model"]
 
 
-def moe_terms(cfg: GPTConfig, experts: MoE, mesh: dict[str, int], tokens: int) -> list[Term]:
+def moe_terms(
+    cfg: GPTConfig, experts: MoE, mesh: dict[str, int], tokens: int, fsdp: bool = False
+) -> list[Term]:
     """A MoE block's collectives: per layer, dispatch and combine all-to-alls over expert
     (forward and backward) of the local buffer [E, C, d], the counts' all-reduce; inside each
     expert, TP's g and f on [E/X, X·C, d] (the same bytes); the experts' gradients synced over
@@ -126,12 +160,26 @@ def moe_terms(cfg: GPTConfig, experts: MoE, mesh: dict[str, int], tokens: int) -
                                "tokens per expert, dropped")]  # fmt: skip
     if n_model > 1:
         out.append(contract.all_reduce("model", buffers, n_model, 2 * layers, "experts' g, f"))
-    sync = _axes(mesh, ("data", "seq"))
+    sync = _axes(mesh, ("seq",) if fsdp else ("data", "seq"))  # FSDP: data by reduce-scatter
     if sync:
-        size = expert_params(cfg, experts, mesh) * W
+        size = expert_params(cfg, experts, mesh) * W // (mesh["data"] if fsdp else 1)
         n = math.prod(mesh[a] for a in sync)
         out.append(contract.all_reduce(sync, size, n, 1, "expert gradients (not over expert)"))
     return out
+
+
+def model_flops(cfg: GPTConfig, batch: int) -> float:
+    """FLOPs of one train step on paper: 6 × the multiply-adds each token meets (q, k, v, out;
+    the SwiGLU, or the router and its top-k experts' SwiGLUs; the head; the embedding is a
+    lookup) × the tokens, plus causal attention's q·kᵀ and p·v (half of t² each): 6·B·t²·D·L.
+    Norms, softmax and the optimizer are left out, as MFU conventionally does."""
+    d, kv = cfg.dim, cfg.kv_heads * (cfg.dim // cfg.heads)
+    mlp = 3 * d * cfg.mlp
+    if cfg.experts is not None:
+        mlp = cfg.experts.top_k * mlp + d * cfg.experts.experts
+    per_token = cfg.layers * (2 * d * d + 2 * d * kv + mlp) + d * cfg.vocab
+    tokens = batch * cfg.tokens
+    return 6.0 * per_token * tokens + 6.0 * tokens * cfg.tokens * d * cfg.layers
 
 
 def _axes(mesh: dict[str, int], names: tuple[str, ...]) -> tuple[str, ...]:

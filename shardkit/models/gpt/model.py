@@ -171,11 +171,25 @@ def windows(rng: np.random.Generator, batch: int, t: int) -> tuple[jax.Array, ja
 
 
 # --8<-- [start:twin]
-def twin_logits(p: Params, x: jax.Array, cfg: GPTConfig, plan: GPTPlan | None = None):
+def twin_logits(
+    p: Params,
+    x: jax.Array,
+    cfg: GPTConfig,
+    plan: GPTPlan | None = None,
+    *,
+    moe_block: Any = None,
+    constrain: Any = None,
+):
     """The unsharded decoder in plain jnp: x[B, T] token ids -> (logits[B, T, V], aux losses
     summed over layers). MoE blocks route ``plan``'s groups (its devices' tokens, in its
-    layout's order over seq); no plan: one group."""
+    layout's order over seq); no plan: one group.
+
+    Hooks for XLA's partitioner (``run.lm_bench``): ``moe_block(z, m) -> (out, weighted aux
+    loss)`` replaces ``moe_ref``'s blocks; ``constrain(h)`` pins the residual stream at the
+    embedding and every block input (a GSPMD user's token sharding).
+    """
     pos = jnp.arange(x.shape[1])
+    constrain = constrain or (lambda h: h)
     plan = plan or GPTPlan({})
     grouping = (plan.mesh["data"] * plan.mesh["expert"], plan.mesh["seq"])
     n_seq = plan.mesh["seq"]
@@ -196,21 +210,25 @@ def twin_logits(p: Params, x: jax.Array, cfg: GPTConfig, plan: GPTPlan | None = 
         return jnp.einsum("bhts,bshk,hkd->btd", jax.nn.softmax(s, axis=-1), v, a["out"]["kernel"])
 
     def block(h: jax.Array, b: Params) -> tuple[jax.Array, jax.Array]:
+        h = constrain(h)
         h = h + attention(lm.rms_norm(h, b["norm1"]), b["attn"])
         z, m = lm.rms_norm(h, b["norm2"]), b["mlp"]
         if cfg.experts is not None:
-            z, aux = experts(z, m)
+            z, aux = (moe_block or experts)(z, m)
             return h + z, aux
         z = jax.nn.silu(z @ m["gate"]["kernel"]) * (z @ m["up"]["kernel"])
         return h + z @ m["down"]["kernel"], jnp.zeros(())
 
-    h, aux = jax.lax.scan(block, p["embed"][x], p["blocks"])
+    h, aux = jax.lax.scan(block, constrain(p["embed"][x]), p["blocks"])
     return lm.rms_norm(h, p["norm"]) @ p["head"], aux.sum()
 
 
-def twin_loss(p: Params, x: jax.Array, y: jax.Array, cfg: GPTConfig, plan: GPTPlan | None = None):
-    """Mean next-token cross-entropy plus the MoE losses, unsharded."""
-    logits, aux = twin_logits(p, x, cfg, plan)
+def twin_loss(
+    p: Params, x: jax.Array, y: jax.Array, cfg: GPTConfig, plan: GPTPlan | None = None, **hooks
+):
+    """Mean next-token cross-entropy plus the MoE losses, unsharded (``hooks``: as
+    ``twin_logits``)."""
+    logits, aux = twin_logits(p, x, cfg, plan, **hooks)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() + aux
 
 
