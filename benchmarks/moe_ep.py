@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from shardkit import ledger, moe  # noqa: E402
 from shardkit.parallel import data as dp  # noqa: E402
+from shardkit.run.lm_bench import gshard_moe  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
     "moe_block", Path(__file__).resolve().parents[1] / "examples" / "moe_block.py"
@@ -54,33 +55,18 @@ block = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(block)
 
 CFG = moe.MoE(8, 2, 1.25)
-TOKENS = P(("data", "expert"))
 
 
 def auto_loss(p, x, y, mesh):
-    """The block as a GSPMD user writes it: routing per token group, layouts by constraint."""
-    groups = mesh.shape["data"] * mesh.shape["expert"]
+    """The block as a GSPMD user writes it: routing per token group, layouts by constraint
+    (``run.lm_bench.gshard_moe``, the decoder bench's MoE layer)."""
     pin = lambda a, spec: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))  # noqa: E731
-    b, t, d = x.shape
+    layer = gshard_moe(CFG, (mesh.shape["data"] * mesh.shape["expert"], 1), pin,
+                       (block.ALPHA, block.BETA))  # fmt: skip
     h = jnp.einsum("btd,de->bte", x, p["proj"])
-    hg = pin(h.reshape(groups, b * t // groups, d), TOKENS)  # [G, n, d]
-    capacity = CFG.capacity(b * t // groups)
-    routing = jax.vmap(lambda z: moe.route(z, p["moe"]["router"], CFG))(hg)
-    slots = jax.vmap(lambda r: moe.assign_slots(r, CFG, capacity))(routing)
-    buffers = jax.vmap(lambda z, r, s: moe.dispatch(z, r, s, capacity))(hg, routing, slots)
-    buffers = pin(buffers, P("data", "expert"))  # [G_data, E_expert, C, d]: to the experts
-    e = p["moe"]
-    gate = jnp.einsum("gecd,edf->gecf", buffers, e["gate"])
-    up = jnp.einsum("gecd,edf->gecf", buffers, e["up"])
-    y_e = jnp.einsum("gecf,efd->gecd", jax.nn.silu(gate) * up, e["down"])
-    y_e = pin(y_e, TOKENS)  # back to the groups
-    out = jax.vmap(moe.combine)(y_e, routing, slots).reshape(b, t, d)
+    out, aux = layer(h, p["moe"])
     pred = jnp.einsum("btd,de->bte", h + out, p["head"])
-    counts = jax.nn.one_hot(routing.experts, CFG.experts).sum((0, 1, 2))
-    f = counts / (b * t * CFG.top_k)
-    balance = CFG.experts * jnp.sum(f * routing.probs.mean((0, 1)))
-    z = jnp.mean(jax.nn.logsumexp(routing.logits, axis=-1) ** 2)
-    return jnp.mean((pred - y) ** 2) + block.ALPHA * balance + block.BETA * z
+    return jnp.mean((pred - y) ** 2) + aux
 
 
 def auto_step(model, optimizer):

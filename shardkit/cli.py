@@ -58,6 +58,8 @@ def _add_model_opts(p: argparse.ArgumentParser, batch: int, about: str) -> None:
     g.add_argument("--top-k", type=int, default=2, help="moe-gpt: experts per token (2)")
     g.add_argument("--capacity-factor", default="1.25", help="moe-gpt: slots per expert as a "
                    "multiple of the even share, or none (dropless)")  # fmt: skip
+    g.add_argument("--documents", action="store_true", help="gpt, moe-gpt: each line a packed "
+                   "document (attention within it, positions from its start)")  # fmt: skip
 
 
 def _add_plan_opts(p: argparse.ArgumentParser) -> None:
@@ -288,20 +290,12 @@ def run_inspect(args: argparse.Namespace) -> int:
     from shardkit.run import inspect
 
     _setup_devices(args.devices)
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise UsageError("--plot needs matplotlib: pip install 'shardkit[plot]'.")
+    _check_plot(args)
     from shardkit.run import config
 
     cfg = model_config(args)
     plan = plan_from_args(args)
-    devices = None
-    if args.target:
-        devices = target.topology_devices(args.target)
-        if plan.num_devices != devices.size:
-            raise UsageError(
-                f"--target {args.target} has {devices.size} chips but the mesh uses "
-                f"{plan.num_devices}; give a --mesh of {devices.size} devices."
-            )
+    devices = target.topology_devices(args.target, plan.num_devices) if args.target else None
     model = config.build(cfg, plan, args.batch, devices)
     _note(cfg, model.plan)
     print(inspect.run(model, args.batch, as_json=args.json, hlo_path=args.hlo,
@@ -431,6 +425,10 @@ def _check_bench_flags(args: argparse.Namespace) -> None:
         raise UsageError(
             f"--steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}."
         )
+    _check_plot(args)
+
+
+def _check_plot(args: argparse.Namespace) -> None:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib: pip install 'shardkit[plot]'.")
 
@@ -515,9 +513,12 @@ def run_launch(args: argparse.Namespace) -> int:
 
 
 VIT_ONLY = (*MODEL_FLAGS, "variant", "pool", "posemb", "dtype", "precision", "ulysses", "zero",
-            "remat", "layers", "pp", "microbatches", "virtual", "hlo", "plot", "target",
+            "layers", "pp", "microbatches", "virtual", "hlo", "plot", "target",
             "resume", "checkpoint_every", "keep", "eval_every", "cache", "data", "chip",
             "batches", "remats")  # fmt: skip
+
+
+LM_ONLY = ("--experts", "--top-k", "--capacity-factor", "--documents")
 
 
 def run_lm(args: argparse.Namespace) -> int:
@@ -528,16 +529,16 @@ def run_lm(args: argparse.Namespace) -> int:
     given = [f for f in flags if any(a == f or a.startswith(f + "=") for a in args.argv)]
     if given:
         raise UsageError(f"{given[0]} applies to the ViT only, not to --model {args.model}.")
-    moe_flags = [f for f in ("--experts", "--top-k", "--capacity-factor") if f in args.argv]
+    moe_flags = [f for f in LM_ONLY[:3] if f in args.argv]
     if args.model == "gpt" and moe_flags:
         raise UsageError(f"{moe_flags[0]} needs --model moe-gpt (the gpt is dense).")
     from shardkit.run import lm
 
     _setup_devices(args.devices)
-    cfg = lm.config(args.model, args.experts, args.top_k, args.capacity_factor)
+    cfg = lm.config(args.model, args.experts, args.top_k, args.capacity_factor, args.documents)
     batch = args.batch or LM_BATCH * (2 if args.command != "train" else 1)
-    given_plan = args.mesh or args.sp or args.fsdp
-    plan = lm.plan(args.mesh or f"data={args.devices}", args.sp, args.fsdp)
+    given_plan = args.mesh or args.sp or args.fsdp or args.remat
+    plan = lm.plan(args.mesh or f"data={args.devices}", args.sp, args.fsdp, args.remat or "none")
     if args.command == "verify":
         plans = {"custom": plan} if given_plan else lm.default_plans(cfg)
         return 0 if lm.verify(cfg, plans, batch, as_json=args.json) else 1
@@ -584,6 +585,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.devices = _mesh_devices(args.mesh)
         if getattr(args, "model", "vit") != "vit":
             return run_lm(args)
+        given = [f for f in LM_ONLY if f in argv]
+        if given:
+            raise UsageError(f"{given[0]} applies to --model gpt or moe-gpt, not to the ViT.")
         if hasattr(args, "batch") and args.batch is None:
             args.batch = args.vit_batch
         return commands[args.command](args)

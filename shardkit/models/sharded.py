@@ -28,6 +28,8 @@ The generic layer under every sharded model here (``ShardedViT`` is one user of 
   pipeline     a ``staged.Stages``: the model cut into embed / stage / loss functions and
                run by a pipeline schedule over ``stage`` (``models.staged`` says how); the
                batch is then (inputs, targets).
+  remat        what the backward recomputes in the blocks ``loss_local`` marks with
+               ``parallel.remat.block``: "none" (default), "dots" or "full" (``remat.POLICIES``).
   compute_dtype  mixed precision: ``"bfloat16"`` hands ``loss_local`` its params cast to bf16
                (after any FSDP gather, so the bytes moved are the plan's), while the params,
                gradients and optimizer state stay float32; ``keep_float32`` lists path
@@ -74,6 +76,7 @@ from jaxtyping import Array
 from shardkit.mesh import PlanError, logical_specs
 from shardkit.models import staged
 from shardkit.parallel import data as dp
+from shardkit.parallel import remat as remat_policies
 
 PyTree = Any
 Axes = tuple[str, ...]
@@ -199,38 +202,6 @@ def gather_dims(specs: PyTree, axis: str = "data", drop_leading: int = 0) -> PyT
     return jax.tree.map(dim, specs, is_leaf=_is_spec)
 
 
-def opt_state_specs(optimizer: optax.GradientTransformation, params: PyTree, specs: PyTree) -> Any:
-    """``optimizer``'s state as a tree of PartitionSpecs: param-shaped leaves as their param's
-    spec, the rest (step counts) replicated. ``params`` may be arrays, tracers or shapes."""
-    with jax.numpy_dtype_promotion("standard"):  # optax is not strict-promotion clean
-        shapes = jax.eval_shape(optimizer.init, params)
-    return optax.tree_map_params(
-        optimizer,
-        lambda _, spec: spec,
-        shapes,
-        specs,
-        transform_non_params=lambda _: P(),
-        is_leaf=_is_spec,
-    )
-
-
-def opt_state_layout(
-    optimizer: optax.GradientTransformation,
-    params: PyTree,
-    specs: PyTree,
-    sharding: Callable[[P], NamedSharding],
-) -> tuple[Any, Any]:
-    """(shapes, shardings) of ``optimizer``'s state: param-shaped leaves split like their param.
-
-    ``params`` may be arrays or shapes; leaves that are not param-shaped (step counts) are
-    replicated.
-    """
-    with jax.numpy_dtype_promotion("standard"):  # optax is not strict-promotion clean
-        shapes = jax.eval_shape(optimizer.init, params)
-    state_specs = opt_state_specs(optimizer, params, specs)
-    return shapes, jax.tree.map(sharding, state_specs, is_leaf=_is_spec)
-
-
 # ----------------------------------------------------------------------------- the model
 
 
@@ -261,6 +232,7 @@ class ShardedModel:
         compute_dtype: str | None = None,
         keep_float32: Sequence[str] = (),
         aux: bool = False,
+        remat: str = "none",
     ) -> None:
         missing = [a for a in (*batch_axes, *token_axes) if a not in mesh.shape]
         if missing:
@@ -276,6 +248,10 @@ class ShardedModel:
         if compute_dtype not in (None, "float32", "bfloat16"):
             raise PlanError(f"compute_dtype must be float32 or bfloat16, got {compute_dtype!r}.")
         self.compute_dtype, self.keep_float32, self.aux = compute_dtype, tuple(keep_float32), aux
+        try:
+            self.remat = remat_policies.check(remat)
+        except ValueError as err:
+            raise PlanError(str(err)) from None
         self.mesh, self.param_axes = mesh, param_axes
         self.loss_local = loss_local  # None for a pipelined model: its stages compute it
         self.rules = mesh_rules(rules, mesh)
@@ -377,7 +353,7 @@ class ShardedModel:
         if self.pipeline is not None:
             shapes = jax.eval_shape(self.pipeline.to_stage_order, shapes)
         placed = jax.tree.map(lambda x, s: abstract(x, self.sharding(s)), shapes, self.specs)
-        state, shardings = opt_state_layout(optimizer, shapes, self.state_specs, self.sharding)
+        state, shardings = dp.opt_state_layout(optimizer, shapes, self.state_specs, self.sharding)
         pairs = zip(batch, self.batch_specs, strict=True)
         inputs = tuple(abstract(x, self.sharding(s)) for x, s in pairs)
         return placed, jax.tree.map(abstract, state, shardings), *inputs
@@ -404,7 +380,8 @@ class ShardedModel:
         if self.gather and self.batch_axes:
             params = dp.fsdp_gather(params, self.gather_dims(), self.batch_axes[0])
         assert self.loss_local is not None, "a pipelined model's loss runs in staged.grads_local"
-        return self.loss_local(self.compute_params(params), *batch)
+        with remat_policies.policy(self.remat):
+            return self.loss_local(self.compute_params(params), *batch)
 
     def compute_params(self, params: PyTree) -> PyTree:
         """``params`` as the forward sees them: float leaves cast to ``compute_dtype`` but
@@ -430,7 +407,8 @@ class ShardedModel:
         """Inside shard_map: (global loss, synced gradients sharded like ``state_specs``); with
         ``aux`` the loss is ``{"loss": loss, **metrics}``."""
         if self.pipeline is not None:
-            return staged.grads_local(self, self.pipeline, params, *batch)
+            with remat_policies.policy(self.remat):
+                return staged.grads_local(self, self.pipeline, params, *batch)
         # Cast params varying over the axes their gradients are partial sums over, so autodiff
         # leaves those sums alone and sync_grads reduces them explicitly, bucketed.
         params = dp.vary(params, self.vary_axes)
@@ -496,7 +474,7 @@ class ShardedModel:
 
     def init_opt_state(self, optimizer: optax.GradientTransformation, params: PyTree) -> Any:
         """The optimizer state, each param-shaped leaf sharded like ``state_specs``."""
-        _, shardings = opt_state_layout(optimizer, params, self.state_specs, self.sharding)
+        _, shardings = dp.opt_state_layout(optimizer, params, self.state_specs, self.sharding)
         return jax.jit(optimizer.init, out_shardings=shardings)(params)
 
     def train_step(
@@ -556,7 +534,7 @@ class ShardedModel:
         metrics = P()  # every metric is the same on every device
 
         def step(params: PyTree, opt_state: Any, *batch: Array):
-            state_specs = opt_state_specs(optimizer, params, self.state_specs)
+            state_specs = dp.opt_state_specs(optimizer, params, self.state_specs)
             in_specs = (self.specs, state_specs, *self.batch_specs)
             return self.shard_map(body, in_specs, (self.specs, state_specs, metrics))(
                 params, opt_state, *batch

@@ -19,18 +19,23 @@ comes from, for a param ``w`` used on a batch split ``x[B_data, ...]``:
   the new params (the same bytes as one all-reduce; ``zero1_update`` is both).
 * ZeRO-2: as ZeRO-1, but ``zero_attach`` reduce-scatters each gradient where backward makes it
   (per layer inside a scan), so the gradients are never all whole at once.
+
+Outside ``shard_map``: ``opt_state_specs`` / ``opt_state_layout`` lay an optax state out like
+its params (param-shaped leaves split as their param, step counts replicated).
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
 from shardkit.parallel.collectives import all_gather, reduce_scatter
@@ -351,3 +356,38 @@ def clip_by_norm(grads: PyTree, norm: Array, max_norm: float) -> PyTree:
     return jax.tree.map(
         lambda g: jax.lax.select(keep, g, (g / norm.astype(g.dtype)) * max_norm), grads
     )
+
+
+# ------------------------------------------------------------------ optimizer state
+
+
+def opt_state_specs(optimizer: optax.GradientTransformation, params: PyTree, specs: PyTree) -> Any:
+    """``optimizer``'s state as a tree of PartitionSpecs: param-shaped leaves as their param's
+    spec, the rest (step counts) replicated. ``params`` may be arrays, tracers or shapes."""
+    with jax.numpy_dtype_promotion("standard"):  # optax is not strict-promotion clean
+        shapes = jax.eval_shape(optimizer.init, params)
+    return optax.tree_map_params(
+        optimizer,
+        lambda _, spec: spec,
+        shapes,
+        specs,
+        transform_non_params=lambda _: P(),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def opt_state_layout(
+    optimizer: optax.GradientTransformation,
+    params: PyTree,
+    specs: PyTree,
+    sharding: Callable[[P], NamedSharding],
+) -> tuple[Any, Any]:
+    """(shapes, shardings) of ``optimizer``'s state: param-shaped leaves split like their param.
+
+    ``params`` may be arrays or shapes; leaves that are not param-shaped (step counts) are
+    replicated.
+    """
+    with jax.numpy_dtype_promotion("standard"):  # optax is not strict-promotion clean
+        shapes = jax.eval_shape(optimizer.init, params)
+    state_specs = opt_state_specs(optimizer, params, specs)
+    return shapes, jax.tree.map(sharding, state_specs, is_leaf=lambda x: isinstance(x, P))

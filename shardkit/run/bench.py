@@ -38,9 +38,9 @@ from jax.sharding import PartitionSpec as P
 import vit_ref
 from shardkit.comm.ledger import Ledger, ledger_of, measure
 from shardkit.mesh import Plan, format_mesh, make_mesh
-from shardkit.models.sharded import opt_state_layout
 from shardkit.models.vit import ShardedViT, check_plan, param_specs, state_specs, token_split
 from shardkit.models.vit.report import abstract_step_args, default_optimizer, report_of
+from shardkit.parallel import data as dp
 from shardkit.parallel.sequence import USP_SEQ
 from shardkit.run.verify import Case, default_matrix, make_batch
 from vit_ref.train import apply_optimizer
@@ -107,11 +107,16 @@ class Contender:
     program: str  # the lowered StableHLO text: what was asked of XLA, before partitioning
     ledger: Ledger | None = None
     times: list[float] = dataclasses.field(default_factory=list)
+    metrics: Any = None  # the last step's
 
     def run(self) -> float:
+        """One step, timed until every output is ready (the new params and state too: XLA:CPU
+        can deadlock when a program starts on some devices while the last one still runs on
+        others, its threads waiting in each other's rendezvous)."""
         t0 = time.perf_counter()
         self.params, self.opt_state, metrics = self.step(self.params, self.opt_state, *self.batch)
-        jax.block_until_ready(metrics)
+        jax.block_until_ready((self.params, self.opt_state, metrics))
+        self.metrics = metrics
         return time.perf_counter() - t0
 
 
@@ -402,7 +407,7 @@ def auto_train_step(
     specs = param_specs(cfg, plan)
     param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     shapes = jax.eval_shape(lambda: vit_ref.init(jax.random.key(0), cfg))
-    _, opt_shardings = opt_state_layout(
+    _, opt_shardings = dp.opt_state_layout(
         optimizer, shapes, state_specs(cfg, plan), lambda s: NamedSharding(mesh, s)
     )
 

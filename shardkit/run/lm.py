@@ -58,11 +58,13 @@ MOE_PLANS = {
 TOLERANCE = 1e-5
 
 
-def config(model: str, experts: int | None, top_k: int, capacity_factor: str) -> gpt.GPTConfig:
+def config(
+    model: str, experts: int | None, top_k: int, capacity_factor: str, documents: bool = False
+) -> gpt.GPTConfig:
     """The decoder of ``--model``; ``moe-gpt``: ``experts`` (default 8) top-``top_k`` experts,
-    ``capacity_factor`` a number or "none" (dropless)."""
+    ``capacity_factor`` a number or "none" (dropless); ``documents``: packed documents."""
     if model == "gpt":  # (the CLI refuses the MoE flags for it)
-        return gpt.GPTConfig()
+        return gpt.GPTConfig(documents=documents)
     try:
         factor = None if capacity_factor == "none" else float(capacity_factor)
     except ValueError:
@@ -70,13 +72,13 @@ def config(model: str, experts: int | None, top_k: int, capacity_factor: str) ->
             f"--capacity-factor must be a number or none, got {capacity_factor!r}."
         ) from None
     try:
-        return gpt.moe_config(moe.MoE(experts or 8, top_k, factor))
+        return gpt.moe_config(moe.MoE(experts or 8, top_k, factor), documents=documents)
     except ValueError as err:
         raise PlanError(str(err)) from None
 
 
-def plan(mesh: str, sp: str | None, fsdp: bool) -> gpt.GPTPlan:
-    """A plan from ``--mesh``, ``--sp`` (none, ring, ulysses) and ``--fsdp``."""
+def plan(mesh: str, sp: str | None, fsdp: bool, remat: str = "none") -> gpt.GPTPlan:
+    """A plan from ``--mesh``, ``--sp`` (none, ring, ulysses), ``--fsdp`` and ``--remat``."""
     shape = parse_mesh(mesh)
     sp = sp or ("ring" if shape["seq"] > 1 else "none")
     if sp not in SP_CORES:
@@ -84,7 +86,7 @@ def plan(mesh: str, sp: str | None, fsdp: bool) -> gpt.GPTPlan:
     if sp == "none" and shape["seq"] > 1:
         raise PlanError(f"The mesh has seq={shape['seq']}; give --sp ring or ulysses.")
     core, layout = SP_CORES[sp]
-    return gpt.GPTPlan(shape, layout if shape["seq"] > 1 else "contiguous", core, fsdp)
+    return gpt.GPTPlan(shape, layout if shape["seq"] > 1 else "contiguous", core, fsdp, remat)
 
 
 def default_plans(cfg: gpt.GPTConfig) -> dict[str, gpt.GPTPlan]:
@@ -100,7 +102,7 @@ def build(cfg: gpt.GPTConfig, p: gpt.GPTPlan, batch: int) -> ShardedModel:
 
 def sample(cfg: gpt.GPTConfig, batch: int, seed: int = 0) -> tuple[jax.Array, jax.Array]:
     """x, y[batch, T]: windows of the text in natural order (seeded)."""
-    return gpt.windows(np.random.default_rng(seed), batch, cfg.tokens)
+    return gpt.windows(np.random.default_rng(seed), batch, cfg.tokens, cfg.documents)
 
 
 def ordered(p: gpt.GPTPlan, *arrays: jax.Array) -> tuple[jax.Array, ...]:
@@ -118,16 +120,16 @@ def _loss(out: Any) -> Any:
 def verify_case(cfg: gpt.GPTConfig, name: str, p: gpt.GPTPlan, batch: int) -> dict[str, Any]:
     """One plan against the twin: the ``verify --json`` case object."""
     model = build(cfg, p, batch)
-    params, (x, y) = gpt.init(0, cfg), sample(cfg, batch)
+    params, data = gpt.init(0, cfg), sample(cfg, batch)
 
-    def sharded(params: Any, x: jax.Array, y: jax.Array) -> tuple[Any, Any]:
-        out, grads = model.loss_and_grads(params, *ordered(p, x, y))
+    def sharded(params: Any, *data: jax.Array) -> tuple[Any, Any]:
+        out, grads = model.loss_and_grads(params, *ordered(p, *data))
         return _loss(out), grads
 
-    def twin(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
-        return gpt.twin_loss(params, x, y, cfg, p)
+    def twin(params: Any, x: jax.Array, y: jax.Array, *docs: jax.Array) -> jax.Array:
+        return gpt.twin_loss(params, x, y, cfg, p, seg=docs[0] if docs else None)
 
-    check = testing.compare_sharded(sharded, twin, params, x, y, place=model.shard)
+    check = testing.compare_sharded(sharded, twin, params, *data, place=model.shard)
     errors = {"loss": check.loss, "grads": max(check.grads.values()),
               "step": max(check.step.values())}  # fmt: skip
     sp = f"{p.core} {p.layout}" if p.mesh["seq"] > 1 else "none"
@@ -195,7 +197,8 @@ def inspect(cfg: gpt.GPTConfig, p: gpt.GPTPlan, batch: int, *, as_json: bool = F
     local = sum(leaf.addressable_shards[0].data.size for leaf in jax.tree.leaves(params))
     expectation = gpt.expectation(cfg, p, batch, local)
     if expectation is None:
-        note = "no cost model for the Ulysses core: measured only"
+        why = "remat (the blocks' collectives re-run)" if p.remat != "none" else "the Ulysses core"
+        note = f"no cost model for {why}: measured only"
         if as_json:
             return json.dumps({"model": model_name(cfg), **measured.to_json(), "note": note})
         return ledger.format_table(measured) + f"\n({note})"
@@ -233,6 +236,7 @@ def train(
     for i in range(steps):
         inputs = model.shard_batch(*ordered(p, *sample(cfg, batch, int(rng.integers(2**31)))))
         params, state, metrics = step(params, state, *inputs)
+        jax.block_until_ready((params, state))  # XLA:CPU: no step starts while one still runs
         record = {"step": i + 1, **_host(metrics)}
         records.append(record)
         if not math.isfinite(record["loss"]):

@@ -54,13 +54,18 @@ def bench_config(cfg: gpt.GPTConfig) -> gpt.GPTConfig:
     return dataclasses.replace(cfg, dim=256, mlp=4 * cfg.mlp, tokens=128)
 
 
-def gshard_moe(cfg: gpt.GPTConfig, groups: tuple[int, int], pin: Callable[..., Any]) -> Any:
-    """The twin's MoE block as a GSPMD user writes it (GShard's recipe): tokens in routing
-    groups [G, n, d], routed, slotted and packed per group (vmapped), the buffers [G, E, C, d]
-    pinned to split E over expert for the experts and pinned back to the groups for the
-    combine; ``pin(array, spec)`` is the sharding constraint (identity on one device)."""
-    e = cfg.experts
-    assert e is not None
+def gshard_moe(
+    e: moe.MoE,
+    groups: tuple[int, int],
+    pin: Callable[..., Any],
+    weights: tuple[float, float] = (ALPHA, BETA),
+) -> Any:
+    """A MoE layer as a GSPMD user writes it (GShard's recipe): tokens in routing groups
+    [G, n, d] (``groups``: batch blocks × token blocks, as ``moe_ref.to_groups``), routed,
+    slotted and packed per group (vmapped), the buffers [G, E, C, d] pinned to split E over
+    expert for the experts and pinned back to the groups for the combine; ``pin(array,
+    spec)`` is the sharding constraint (identity on one device). ``block(z, m)`` returns the
+    output and the load-balance and z-losses weighted by ``weights``."""
 
     def block(z: jax.Array, m: Any) -> tuple[jax.Array, jax.Array]:
         b, t, _ = z.shape
@@ -81,7 +86,7 @@ def gshard_moe(cfg: gpt.GPTConfig, groups: tuple[int, int], pin: Callable[..., A
         else:
             balance = jnp.mean(jax.vmap(lambda i, q: moe_ref.load_balance(i, q, e))(ids, probs))
         router_z = jnp.mean(jax.nn.logsumexp(routing.logits, axis=-1) ** 2)
-        return out, ALPHA * balance + BETA * router_z
+        return out, weights[0] * balance + weights[1] * router_z
 
     return block
 
@@ -95,7 +100,7 @@ def auto_loss(cfg: gpt.GPTConfig, p: gpt.GPTPlan, mesh: Any | None) -> Callable[
     groups = (p.mesh["data"] * p.mesh["expert"], p.mesh["seq"])
     hooks: dict[str, Any] = {}
     if cfg.experts is not None:
-        hooks["moe_block"] = gshard_moe(cfg, groups, pin)
+        hooks["moe_block"] = gshard_moe(cfg.experts, groups, pin)
     if p.mesh["seq"] > 1 and mesh is not None:
         hooks["constrain"] = lambda h: pin(h, TOKENS)
     return lambda params, x, y: gpt.twin_loss(params, x, y, cfg, **hooks)
@@ -150,8 +155,8 @@ def contenders(cfg: gpt.GPTConfig, p: gpt.GPTPlan, batch: int, params: Any, data
 
 def _first_loss(c: bench.Contender) -> float:
     """One untimed step (it also warms up); the loss it reports."""
-    c.params, c.opt_state, metrics = c.step(c.params, c.opt_state, *c.batch)
-    return float(metrics["loss"])
+    c.run()
+    return float(c.metrics["loss"])
 
 
 def bench_plan(

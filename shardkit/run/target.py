@@ -67,8 +67,9 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(devnull)
 
 
-def topology_devices(topology: str) -> np.ndarray:
-    """The devices of the TPU slice ``topology`` (e.g. "v5e:2x4"), compiled for, not run on."""
+def topology_devices(topology: str, mesh_devices: int | None = None) -> np.ndarray:
+    """The devices of the TPU slice ``topology`` (e.g. "v5e:2x4"), compiled for, not run on;
+    ``mesh_devices``: the devices the plan's mesh uses (a mismatch is a ``TargetError``)."""
     if importlib.util.find_spec("libtpu") is None:
         raise TargetError(
             "--target compiles with the TPU compiler, which needs libtpu: "
@@ -85,6 +86,10 @@ def topology_devices(topology: str) -> np.ndarray:
         raise TargetError(
             f"libtpu does not know the topology {topology!r} ({first}); names look like {EXAMPLES}."
         ) from None
+    if mesh_devices is not None and mesh_devices != len(desc.devices):
+        n = len(desc.devices)
+        raise TargetError(f"--target {topology} has {n} chips but the mesh uses {mesh_devices}; "
+                          f"give a --mesh of {n} devices.")  # fmt: skip
     return np.array(desc.devices)
 
 

@@ -22,7 +22,7 @@ import shardkit
 from shardkit import testing
 from shardkit.comm import contract
 from shardkit.models import gpt
-from shardkit.parallel import moe
+from shardkit.parallel import lm, moe
 from shardkit.parallel.sequence import layouts
 
 BATCH = 8
@@ -119,3 +119,23 @@ def test_moe_gpt_twin_equals_sharded_with_drops():
 
     twin = lambda p, x, y: gpt.twin_loss(p, x, y, cfg, plan)  # noqa: E731
     testing.compare_sharded(sharded, twin, params, x, y, place=model.shard).assert_ok()
+
+
+def test_document_windows_mark_their_lines():
+    """Packed documents: segment ids count the lines from 0, positions restart at every line,
+    and a target in the next line is ``lm.IGNORE`` (the line's last token predicts nothing)."""
+    x, y, seg, pos = (np.asarray(a) for a in gpt.windows(np.random.default_rng(0), 8, 64, True))
+    newline = gpt.CHARS.index("\n")
+    assert (seg[:, 0] == 0).all() and (np.diff(seg, axis=1) == (x[:, :-1] == newline)).all()
+    starts = np.concatenate([np.ones((8, 1), bool), np.diff(seg, axis=1) > 0], axis=1)
+    assert (pos[starts] == 0).all() and (np.diff(pos, axis=1)[~starts[:, 1:]] == 1).all()
+    assert ((y == lm.IGNORE) == (x == newline)).all()
+
+
+def test_the_document_mask_changes_the_loss():
+    """The mask is real: the twin with segments and without them differ on the same batch."""
+    cfg = gpt.GPTConfig(documents=True)
+    params = gpt.init(0, cfg)
+    x, y, seg, _ = gpt.windows(np.random.default_rng(0), 8, cfg.tokens, True)
+    masked = gpt.twin_loss(params, x, y, cfg, seg=seg)
+    assert abs(float(masked) - float(gpt.twin_loss(params, x, y, cfg))) > 1e-3

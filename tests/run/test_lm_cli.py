@@ -32,6 +32,20 @@ def test_inspect_moe_gpt_holds_its_contract(capsys):
     assert ("all-to-all", ("expert",)) in kinds and ("collective-permute", ("seq",)) in kinds
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["--model", "gpt", "--mesh", "data=2,seq=4", "--sp", "ring"],
+     ["--model", "gpt", "--mesh", "seq=2,model=4", "--sp", "ulysses"],
+     ["--model", "moe-gpt", "--mesh", "expert=2,seq=4", "--sp", "ring"]],
+)  # fmt: skip
+def test_packed_documents_verify(argv, capsys):
+    """--documents: each line a document (the ring and Ulysses carry the segment ids, RoPE
+    the per-document positions, the loss divides by the real targets): equal to the twin."""
+    assert cli.main(["verify", *argv, "--documents", "--json"]) == 0
+    case = json.loads(capsys.readouterr().out)["cases"][0]
+    assert case["ok"] and max(case["errors"].values()) <= 1e-5, case
+
+
 def test_inspect_dense_gpt_table(capsys):
     assert cli.main(["inspect", "--model", "gpt", "--mesh", "data=2,model=4"]) == 0
     out = capsys.readouterr().out
@@ -61,6 +75,7 @@ def test_train_moe_gpt_writes_its_run(tmp_path, capsys):
         (["bench", "--model", "gpt", "--mesh", "data=8", "--strategies", "FSDP"],
          "give either --strategies or plan options"),
         (["bench", "--model", "gpt", "--steps", "0"], "--steps must be >= 1"),
+        (["verify", "--documents"], "--documents applies to --model gpt or moe-gpt"),
         (["verify", "--model", "gpt", "--experts", "4"], "--experts needs --model moe-gpt"),
         (["train", "--model", "gpt", "--capacity-factor", "2"],
          "--capacity-factor needs --model moe-gpt"),

@@ -20,7 +20,8 @@ Per step, with b·t local tokens of width D (w = 4 bytes, float32), L layers:
               expert × seq only (the experts': seq only) and the loss goes alone, or with the
               gradient norm when its axes are every axis (one op of 2·w)
 
-The Ulysses core has no terms here (``expected`` returns None for it).
+The Ulysses core and remat have no terms here (``expected`` returns None for them: under
+remat the blocks' collectives re-run in the backward).
 """
 
 from __future__ import annotations
@@ -70,10 +71,10 @@ def expectation(
 
 
 def expected(cfg: GPTConfig, plan: GPTPlan, batch: int, local_params: int) -> list[Term] | None:
-    """The collectives of one train step clipped by its global norm (None: Ulysses core);
-    ``local_params``: the elements of params one device holds."""
+    """The collectives of one train step clipped by its global norm (None: the Ulysses core,
+    or remat); ``local_params``: the elements of params one device holds."""
     mesh = plan.mesh
-    if plan.core != "ring" and mesh["seq"] > 1:
+    if (plan.core != "ring" and mesh["seq"] > 1) or plan.remat != "none":
         return None
     n_data, n_ep, n_seq, n_model = (mesh[a] for a in ("data", "expert", "seq", "model"))
     b, t, layers = batch // (n_data * n_ep), cfg.tokens // n_seq, cfg.layers

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 import moe_ref
 from shardkit.mesh import AXES, PlanError, format_mesh
 from shardkit.models.sharded import ShardedModel
-from shardkit.parallel import lm, moe, sequence, tensor, vma
+from shardkit.parallel import lm, moe, remat, sequence, tensor
 from shardkit.parallel.sequence import layouts
 
 with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints the Zen
@@ -50,7 +50,9 @@ Params = Any
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """The decoder's dims; ``experts`` (a ``moe.MoE``) makes every block's MLP a MoE whose
-    experts each have ``mlp`` hidden units."""
+    experts each have ``mlp`` hidden units; ``documents``: packed documents (each line of the
+    text one; a token attends only to its own line, positions restart at every line, a line's
+    last token predicts nothing), the batch (x, y, segment ids, positions)."""
 
     dim: int = 64
     heads: int = 8
@@ -60,30 +62,36 @@ class GPTConfig:
     tokens: int = 64
     vocab: int = VOCAB
     experts: moe.MoE | None = None
+    documents: bool = False
 
 
-def moe_config(experts: moe.MoE, **dims: int) -> GPTConfig:
-    """The MoE decoder: the dense one's dims, each expert half the dense MLP."""
+def moe_config(experts: moe.MoE, **dims: Any) -> GPTConfig:
+    """The MoE decoder: the dense one's dims (and ``documents``), each expert half the dense
+    MLP."""
     return GPTConfig(**{"mlp": 64, **dims}, experts=experts)
 
 
 @dataclasses.dataclass(frozen=True)
 class GPTPlan:
     """How the decoder is split: the mesh, the token layout over seq, the attention core over
-    seq (``"ring"`` or ``"ulysses"``) and FSDP over data."""
+    seq (``"ring"`` or ``"ulysses"``), FSDP over data, and what the blocks' backward
+    recomputes (``remat``: a ``parallel.remat`` policy)."""
 
     mesh: dict[str, int]
     layout: str = "contiguous"
     core: str = "ring"
     fsdp: bool = False
+    remat: str = "none"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mesh", {**dict.fromkeys(AXES, 1), **self.mesh})
 
     @property
     def name(self) -> str:
-        extra = (f", {self.core} {self.layout}" if self.mesh["seq"] > 1 else "") + (
-            ", FSDP" if self.fsdp else ""
+        extra = (
+            (f", {self.core} {self.layout}" if self.mesh["seq"] > 1 else "")
+            + (", FSDP" if self.fsdp else "")
+            + (f", remat {self.remat}" if self.remat != "none" else "")
         )
         return format_mesh(self.mesh) + extra
 
@@ -96,6 +104,8 @@ def check_plan(cfg: GPTConfig, plan: GPTPlan, batch: int) -> None:
     checks = [
         (stage > 1, f"The GPT runs no pipeline, but the mesh has stage={stage}"),
         (plan.core not in CORES, f"The core must be one of {CORES}, got {plan.core!r}"),
+        (plan.remat not in remat.POLICIES,
+         f"remat must be one of {', '.join(remat.POLICIES)}, got {plan.remat!r}"),
         (ep > 1 and not experts, f"The mesh has expert={ep} but the GPT has no experts"),
         (experts % ep, f"experts={experts} is not divisible by expert={ep}"),
         (cfg.heads % model, f"heads={cfg.heads} is not divisible by model={model}"),
@@ -162,12 +172,24 @@ def init(seed: int, cfg: GPTConfig) -> Params:
     return jax.tree.unflatten(tree, [leaf(k, ns) for k, ns in zip(keys, names, strict=True)])
 
 
-def windows(rng: np.random.Generator, batch: int, t: int) -> tuple[jax.Array, jax.Array]:
-    """x[B, T] random windows of the text, y the next characters."""
+def windows(
+    rng: np.random.Generator, batch: int, t: int, documents: bool = False
+) -> tuple[jax.Array, ...]:
+    """x[B, T] random windows of the text, y the next characters; ``documents``: also each
+    token's line in the window (segment ids) and its position in that line (``lm.
+    document_positions``, on the whole row), and y = ``lm.IGNORE`` where the next character
+    starts another line."""
     ids = np.array([CHARS.index(c) for c in TEXT], np.int32)
+    lines = np.cumsum([0] + [c == "\n" for c in TEXT], dtype=np.int32)  # line of each char
     starts = rng.integers(0, len(ids) - t - 1, batch)
     x = np.stack([ids[s : s + t] for s in starts])
-    return jnp.asarray(x), jnp.asarray(np.stack([ids[s + 1 : s + t + 1] for s in starts]))
+    y = np.stack([ids[s + 1 : s + t + 1] for s in starts])
+    if not documents:
+        return jnp.asarray(x), jnp.asarray(y)
+    seg = np.stack([lines[s : s + t] - lines[s] for s in starts])
+    crossing = np.stack([lines[s + 1 : s + t + 1] - lines[s] for s in starts]) != seg
+    y = np.where(crossing, lm.IGNORE, y)
+    return tuple(jnp.asarray(a) for a in (x, y, seg, lm.document_positions(jnp.asarray(seg))))
 
 
 # --8<-- [start:twin]
@@ -177,18 +199,24 @@ def twin_logits(
     cfg: GPTConfig,
     plan: GPTPlan | None = None,
     *,
+    seg: jax.Array | None = None,
     moe_block: Any = None,
     constrain: Any = None,
 ):
     """The unsharded decoder in plain jnp: x[B, T] token ids -> (logits[B, T, V], aux losses
     summed over layers). MoE blocks route ``plan``'s groups (its devices' tokens, in its
-    layout's order over seq); no plan: one group.
+    layout's order over seq); no plan: one group. ``seg[B, T]``: packed documents (attention
+    within a segment, positions from its start).
 
     Hooks for XLA's partitioner (``run.lm_bench``): ``moe_block(z, m) -> (out, weighted aux
     loss)`` replaces ``moe_ref``'s blocks; ``constrain(h)`` pins the residual stream at the
     embedding and every block input (a GSPMD user's token sharding).
     """
-    pos = jnp.arange(x.shape[1])
+    causal = jnp.tril(jnp.ones((x.shape[1],) * 2, bool))
+    pos: jax.Array = jnp.arange(x.shape[1])
+    if seg is not None:
+        pos, causal = lm.document_positions(seg), causal & (seg[:, :, None] == seg[:, None, :])
+    mask = causal if causal.ndim == 3 else causal[None]
     constrain = constrain or (lambda h: h)
     plan = plan or GPTPlan({})
     grouping = (plan.mesh["data"] * plan.mesh["expert"], plan.mesh["seq"])
@@ -206,7 +234,7 @@ def twin_logits(
         q, k = lm.apply_rope(q, pos), lm.apply_rope(k, pos)
         k, v = (jnp.repeat(z, q.shape[2] // z.shape[2], axis=2) for z in (k, v))  # GQA
         s = jnp.einsum("bthk,bshk->bhts", q, k) / float(np.sqrt(q.shape[-1]))
-        s = jnp.where(jnp.tril(jnp.ones((x.shape[1],) * 2, bool)), s, -jnp.inf)
+        s = jnp.where(mask[:, None], s, -jnp.inf)
         return jnp.einsum("bhts,bshk,hkd->btd", jax.nn.softmax(s, axis=-1), v, a["out"]["kernel"])
 
     def block(h: jax.Array, b: Params) -> tuple[jax.Array, jax.Array]:
@@ -226,10 +254,11 @@ def twin_logits(
 def twin_loss(
     p: Params, x: jax.Array, y: jax.Array, cfg: GPTConfig, plan: GPTPlan | None = None, **hooks
 ):
-    """Mean next-token cross-entropy plus the MoE losses, unsharded (``hooks``: as
-    ``twin_logits``)."""
+    """Next-token cross-entropy averaged over the real targets (``lm.IGNORE`` ones left out)
+    plus the MoE losses, unsharded (``hooks``: as ``twin_logits``)."""
     logits, aux = twin_logits(p, x, cfg, plan, **hooks)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() + aux
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(y, 0))
+    return jnp.where(y >= 0, ce, 0.0).sum() / jnp.sum(y >= 0) + aux
 
 
 # --8<-- [end:twin]
@@ -245,8 +274,9 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
     kv_repeat = n_model > cfg.kv_heads
     attend = {"ring": sequence.attention_ring, "ulysses": sequence.attention_ulysses}[plan.core]
 
-    def causal_core(q, k, v):  # over seq on local heads; GQA K/V blocks stay h_kv-headed
-        return attend(q, k, v, causal=True, layout=plan.layout)[0]
+    def causal_core(seg):  # over seq on local heads; GQA K/V blocks stay h_kv-headed
+        return lambda q, k, v: attend(q, k, v, causal=True, layout=plan.layout,
+                                      segment_ids=seg)[0]  # fmt: skip
 
     def mlp(z, m):  # SwiGLU over model, or the experts: (out, aux losses' share, counts)
         if cfg.experts is None:
@@ -263,12 +293,14 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
         counts = jnp.concatenate([aux.tokens_per_expert, aux.dropped[None]])
         return out, ALPHA * aux.load_balance + BETA * aux.router_z, counts
 
-    def loss_local(p, x, y):  # this device's share of the loss (and the MoE metrics)
-        rope = lm.rope(layouts.local_positions(plan.layout, sp, x.shape[1]))  # GLOBAL positions
+    def loss_local(p, x, y, seg=None, pos=None):  # this device's share (and the MoE metrics)
+        if pos is None:  # GLOBAL positions; packed documents: from each one's start (data)
+            pos = layouts.local_positions(plan.layout, sp, x.shape[1])
+        rope, core = lm.rope(pos), causal_core(seg)
 
-        @vma.checked_block  # a forgotten row-parallel reduction is named here, at trace time
+        @remat.block  # the plan's remat; a forgotten row-parallel reduction named at trace time
         def block(h, b):
-            a = tensor.attention_tp(lm.rms_norm(h, b["norm1"]), b["attn"], tp, causal_core,
+            a = tensor.attention_tp(lm.rms_norm(h, b["norm1"]), b["attn"], tp, core,
                                     rope=rope, kv_repeat=kv_repeat)  # fmt: skip
             h = h + a
             z, aux, counts = mlp(lm.rms_norm(h, b["norm2"]), b["mlp"])
@@ -277,10 +309,15 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
         h, (aux, counts) = jax.lax.scan(block, lm.vocab_embed(x, p["embed"], tp), p["blocks"])
         logits = lm.vocab_logits(lm.rms_norm(h, p["norm"]), p["head"], tp)  # [b, t, V/n]
         ce = lm.vocab_cross_entropy(logits, y, tp)
-        share = ce.sum() / (y.size * mesh.shape["data"] * mesh.shape["expert"] * n_seq)
+        share = ce.sum() / targets(y)
         if cfg.experts is None:
             return share
         return share + aux.sum(), moe_metrics(counts, y.size * mesh.size // n_model)
+
+    def targets(y):  # the global count of real targets: every token's, or summed (documents)
+        if not cfg.documents:
+            return y.size * mesh.shape["data"] * mesh.shape["expert"] * n_seq
+        return jax.lax.psum(lm.valid_count(y), tuple(a for a in token_split if mesh.shape[a] > 1))
 
     def moe_metrics(counts, tokens):  # counts [layers, E + 1]: global, the same everywhere
         per_expert, dropped = counts[:, :-1].sum(0), counts[:, -1].sum()
@@ -288,11 +325,12 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
         return {"tokens_per_expert": per_expert, "dropped": dropped,
                 "dropped_fraction": dropped / routed}  # fmt: skip
 
-    tokens = P(("data", "expert"), "seq")
+    token_split, tokens = ("data", "expert", "seq"), P(("data", "expert"), "seq")
     return ShardedModel(mesh, param_axes(cfg.experts is not None),
                         rules(n_model, cfg.kv_heads, plan.fsdp), loss_local,
-                        batch_specs=(tokens, tokens), token_axes=("expert", "seq"),
-                        aux=cfg.experts is not None)  # fmt: skip
+                        batch_specs=(tokens,) * (4 if cfg.documents else 2),
+                        token_axes=("expert", "seq"),
+                        aux=cfg.experts is not None, remat=plan.remat)  # fmt: skip
 
 
 # --8<-- [end:sharded]

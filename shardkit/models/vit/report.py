@@ -30,10 +30,10 @@ import vit_ref
 from shardkit.comm.ledger import Ledger, measure
 from shardkit.comm.report import Report
 from shardkit.mesh import Plan
-from shardkit.models.sharded import opt_state_layout
 from shardkit.models.vit import cost
 from shardkit.models.vit.model import ShardedViT
 from shardkit.models.vit.plan import schedule
+from shardkit.parallel import data as dp
 from shardkit.parallel import pipeline
 from shardkit.parallel.pipeline.schedules import Schedule
 
@@ -68,7 +68,7 @@ def abstract_step_args(
 ) -> tuple[Any, ...]:
     shapes = jax.eval_shape(lambda: vit_ref.init(jax.random.key(0), cfg))
     params = _abstract(shapes, jax.tree.map(sharding, specs))
-    opt_state = _abstract(*opt_state_layout(optimizer, shapes, state_specs, sharding))
+    opt_state = _abstract(*dp.opt_state_layout(optimizer, shapes, state_specs, sharding))
     data = sharding(batch_spec)
     images = jax.ShapeDtypeStruct((batch, cfg.image, cfg.image, cfg.channels), jnp.float32)
     labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
