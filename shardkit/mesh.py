@@ -44,10 +44,12 @@ class PlanError(ValueError):
     """A plan that cannot work on the given mesh, model or batch (one sentence says why)."""
 
 
-# XLA:CPU's concurrency-optimized scheduler let the 8 device threads of one program wait in
-# each other's collectives: a GSPMD-partitioned GPT step (data=2,model=4) aborted at the 40 s
-# rendezvous timeout in 3 of 7 runs on 2 cores, and in 0 of 5 with the scheduler off.
-CPU_XLA_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
+# XLA:CPU's thunk runtime runs a program's independent thunks concurrently, and the 8 device
+# threads of one step could then wait in different collectives, each missing the others (the
+# 40 s rendezvous timeout aborted a GSPMD GPT step on data=2,model=4 in 3 of 7 runs on 2
+# cores, and a MoE bench row with the concurrency-optimized scheduler off too). The sequential
+# runtime ran that step 5 of 5 times, and the GPT tests in the same time (220 s vs 222 s).
+CPU_XLA_FLAGS = ("--xla_cpu_use_thunk_runtime=false",)
 
 
 def add_cpu_xla_flags() -> None:

@@ -215,7 +215,10 @@ def twin_logits(
     causal = jnp.tril(jnp.ones((x.shape[1],) * 2, bool))
     pos: jax.Array = jnp.arange(x.shape[1])
     if seg is not None:
-        pos, causal = lm.document_positions(seg), causal & (seg[:, :, None] == seg[:, None, :])
+        pos, causal = (
+            lm.document_positions(seg),
+            causal[None] & (seg[:, :, None] == seg[:, None, :]),
+        )
     mask = causal if causal.ndim == 3 else causal[None]
     constrain = constrain or (lambda h: h)
     plan = plan or GPTPlan({})
@@ -258,7 +261,7 @@ def twin_loss(
     plus the MoE losses, unsharded (``hooks``: as ``twin_logits``)."""
     logits, aux = twin_logits(p, x, cfg, plan, **hooks)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(y, 0))
-    return jnp.where(y >= 0, ce, 0.0).sum() / jnp.sum(y >= 0) + aux
+    return jnp.where(y >= 0, ce, 0.0).sum() / jnp.sum(y >= 0, dtype=jnp.float32) + aux
 
 
 # --8<-- [end:twin]

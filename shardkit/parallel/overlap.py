@@ -1,0 +1,153 @@
+"""Collective matmuls: a matmul fused with the all-gather or reduce-scatter it needs, as ring
+steps, so that each step's matmul can run while the next block travels.
+
+  ag_matmul   x[M_X, K] · w[K, F] -> y[M, F]          the all-gather of x hidden under the
+              matmul (Megatron-SP's entry into a column-parallel region: tokens gathered)
+  matmul_rs   a[M, K] · w[K, F] {U_X} -> y[M_X, F]    the reduce-scatter of the product hidden
+              under it (the exit of a row-parallel region: token blocks summed and split)
+
+Forward: n − 1 ``ppermute`` steps of one block each (device i → i + 1, ``ring_shift``). In
+``ag_matmul`` step s multiplies the block that started on device i − s while it is passed on;
+in ``matmul_rs`` the partial sum of one output block travels while the next block's product
+is computed. No step's matmul waits on the permute issued beside it, so a scheduler with
+asynchronous collectives (the TPU's) can run each permute under a matmul; XLA:CPU runs them
+one after the other, with the same bytes.
+
+Backward (``jax.custom_vjp``), again collective matmuls in the other direction:
+  ``ag_matmul``: dx = matmul_rs(dy, wᵀ); dw = x_gatheredᵀ · dy, from the gathered x kept as
+  the residual (as the transpose of a plain ``all_gather`` keeps it);
+  ``matmul_rs``: da = ag_matmul(dy, wᵀ), whose ring also gathers dy for dw = aᵀ · dy_gathered.
+Bytes per device, forward and backward alike: (n − 1)/n · V, exactly the plain all-gather's
+or reduce-scatter's, in n − 1 permutes instead of one collective. Not built yet: the
+bidirectional form (half the steps, both link directions).
+
+Every function runs inside a ``shard_map`` body; ``axis`` is one mesh axis name; x, a and w are
+varying over it (split, or partial); M is the leading dim.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from shardkit.parallel.collectives import axis_index, axis_size, ring_shift
+from shardkit.parallel.vma import shard_map_primitive, vary, varying_axes
+
+Consume = Callable[[jax.Array, jax.Array], None]
+
+
+def _rows(x: jax.Array, k: jax.Array, rows: int) -> jax.Array:
+    """Rows [k·rows, (k + 1)·rows) of x."""
+    return jax.lax.dynamic_slice_in_dim(x, k * rows, rows, 0)
+
+
+def _ring_blocks(x: jax.Array, axis: str, consume: Consume) -> None:
+    """Hands ``consume(block, source)`` each device's block of x in turn, the next hop issued
+    first: after s hops of +1 the block in hand started on device i − s."""
+    n, i = axis_size(axis), axis_index(axis)
+    block = x
+    for s in range(n):
+        arriving = ring_shift(block, axis, 1) if s < n - 1 else None
+        consume(block, (i - s) % n)
+        if arriving is not None:
+            block = arriving
+
+
+def _gather_matmul(x: jax.Array, w: jax.Array, axis: str) -> tuple[jax.Array, jax.Array]:
+    """(x_gathered · w, x_gathered): each arriving block multiplied and put in place."""
+    n, m = axis_size(axis), x.shape[0]
+    x = vary(x, axis)
+    out = {"y": jnp.zeros((n * m, w.shape[-1]), jnp.result_type(x, w)),
+           "x": jnp.zeros((n * m, *x.shape[1:]), x.dtype)}  # fmt: skip
+
+    def consume(block: jax.Array, source: jax.Array) -> None:
+        out["y"] = jax.lax.dynamic_update_slice_in_dim(out["y"], block @ w, source * m, 0)
+        out["x"] = jax.lax.dynamic_update_slice_in_dim(out["x"], block, source * m, 0)
+
+    _ring_blocks(x, axis, consume)
+    return out["y"], out["x"]
+
+
+def _matmul_scatter(a: jax.Array, w: jax.Array, axis: str) -> jax.Array:
+    """Σ_X (a · w), each device keeping its row block: the partial sum of block k starts on
+    device k + 1 and gains each device's product as it travels to device k."""
+    n, i = axis_size(axis), axis_index(axis)
+    if a.shape[0] % n:
+        raise ValueError(f"matmul_rs: {a.shape[0]} rows do not split over {axis}={n}.")
+    rows = a.shape[0] // n
+    a = vary(a, axis)
+    acc = _rows(a, (i - 1) % n, rows) @ w
+    for s in range(1, n):
+        acc = ring_shift(acc, axis, 1) + _rows(a, (i - s - 1) % n, rows) @ w
+    return acc
+
+
+@shard_map_primitive
+def ag_matmul(x: jax.Array, w: jax.Array, axis: str) -> jax.Array:
+    """``all_gather(x, axis, tiled) @ w`` with the gather hidden under the matmul:
+    ``x[M_X, K] · w[K, F] -> y[M, F]``. Cost: (n − 1)/n · |x_gathered| per device forward
+    (n − 1 permutes), the same backward (dx's ring reduce-scatter)."""
+    return _ag_matmul(x, w, axis, _types(x, w))
+
+
+@shard_map_primitive
+def matmul_rs(a: jax.Array, w: jax.Array, axis: str) -> jax.Array:
+    """``reduce_scatter(a @ w, axis, tiled)`` with the scatter hidden under the matmul:
+    ``a[M, K] · w[K, F] {U_X} -> y[M_X, F]``. Cost: (n − 1)/n · |a · w| per device forward,
+    the same backward (da's ring all-gather of dy)."""
+    return _matmul_rs(a, w, axis, _types(a, w))
+
+
+Types = tuple[tuple[str, ...], tuple[str, ...]]
+
+
+def _types(*xs: jax.Array) -> Types:
+    """The inputs' varying axes (static): the cotangents must come back typed the same."""
+    return tuple(tuple(sorted(varying_axes(x))) for x in xs)  # type: ignore[return-value]
+
+
+def _typed(ct: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``ct`` summed over the axes it varies over and its primal did not (the transpose of
+    the implicit cast that made the primal varying there)."""
+    extra = tuple(sorted(varying_axes(ct) - set(axes)))
+    return jax.lax.psum(ct, extra) if extra else ct
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _ag_matmul(x: jax.Array, w: jax.Array, axis: str, types: Types) -> jax.Array:
+    return _gather_matmul(x, w, axis)[0]
+
+
+def _ag_matmul_fwd(x: jax.Array, w: jax.Array, axis: str, types: Types) -> tuple[jax.Array, tuple]:
+    y, gathered = _gather_matmul(x, w, axis)
+    return y, (gathered, w)
+
+
+def _ag_matmul_bwd(axis: str, types: Types, res: tuple, dy: jax.Array) -> tuple[jax.Array, ...]:
+    gathered, w = res
+    dx, dw = _matmul_scatter(dy, w.T, axis), gathered.T @ dy
+    return _typed(dx, types[0]), _typed(dw, types[1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _matmul_rs(a: jax.Array, w: jax.Array, axis: str, types: Types) -> jax.Array:
+    return _matmul_scatter(a, w, axis)
+
+
+def _matmul_rs_fwd(a: jax.Array, w: jax.Array, axis: str, types: Types) -> tuple[jax.Array, tuple]:
+    return _matmul_scatter(a, w, axis), (a, w)
+
+
+def _matmul_rs_bwd(axis: str, types: Types, res: tuple, dy: jax.Array) -> tuple[jax.Array, ...]:
+    a, w = res
+    da, dy_gathered = _gather_matmul(dy, w.T, axis)
+    return _typed(da, types[0]), _typed(a.T @ dy_gathered, types[1])
+
+
+_ag_matmul.defvjp(_ag_matmul_fwd, _ag_matmul_bwd)
+_matmul_rs.defvjp(_matmul_rs_fwd, _matmul_rs_bwd)
+
+__all__ = ["ag_matmul", "matmul_rs"]
