@@ -44,26 +44,8 @@ class PlanError(ValueError):
     """A plan that cannot work on the given mesh, model or batch (one sentence says why)."""
 
 
-# XLA:CPU's thunk runtime runs a program's independent thunks concurrently, and the 8 device
-# threads of one step could then wait in different collectives, each missing the others (the
-# 40 s rendezvous timeout aborted a GSPMD GPT step on data=2,model=4 in 3 of 7 runs on 2
-# cores, and a MoE bench row with the concurrency-optimized scheduler off too). The sequential
-# runtime ran that step 5 of 5 times, and the GPT tests in the same time (220 s vs 222 s).
-CPU_XLA_FLAGS = ("--xla_cpu_use_thunk_runtime=false",)
-
-
-def add_cpu_xla_flags() -> None:
-    """Adds ``CPU_XLA_FLAGS`` to ``XLA_FLAGS`` (those not set there already); read when the
-    backend starts, so call it before."""
-    current = os.environ.get("XLA_FLAGS", "")
-    missing = [f for f in CPU_XLA_FLAGS if f.split("=")[0] not in current]
-    os.environ["XLA_FLAGS"] = " ".join([current, *missing]).strip()
-
-
 def set_cpu_devices(n: int) -> None:
-    """Makes the CPU backend expose ``n`` devices (with ``CPU_XLA_FLAGS``). Call before
-    anything touches a JAX backend."""
-    add_cpu_xla_flags()
+    """Makes the CPU backend expose ``n`` devices. Call before anything touches a JAX backend."""
     try:
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError as err:  # the backend already exists

@@ -14,14 +14,10 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # XLA:CPU aborts a collective whose device threads do not all arrive within 40 s; on 2 busy
 # cores a starved (not deadlocked) thread can take that long. 300 s for the tests and every
 # process they start (the examples' hang guard is 600 s). The deadlock CI did hit, several
-# in-flight executions of one 8-device program, is avoided in the examples themselves; the
-# one inside a single program by shardkit's CPU flags (``mesh.CPU_XLA_FLAGS``).
-from shardkit.mesh import CPU_XLA_FLAGS  # imports jax, starts no backend
-
+# in-flight executions of one 8-device program, is avoided in the examples themselves.
 os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_cpu_collective_call_terminate_timeout_seconds=300",
-     *CPU_XLA_FLAGS]
-).strip()  # fmt: skip
+    [os.environ.get("XLA_FLAGS", ""), "--xla_cpu_collective_call_terminate_timeout_seconds=300"]
+).strip()
 
 import jax
 import pytest

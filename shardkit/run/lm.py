@@ -100,8 +100,9 @@ def build(cfg: gpt.GPTConfig, p: gpt.GPTPlan, batch: int) -> ShardedModel:
     return gpt.sharded_gpt(make_mesh(p.mesh), cfg, p)
 
 
-def sample(cfg: gpt.GPTConfig, batch: int, seed: int = 0) -> tuple[jax.Array, jax.Array]:
-    """x, y[batch, T]: windows of the text in natural order (seeded)."""
+def sample(cfg: gpt.GPTConfig, batch: int, seed: int = 0) -> tuple[jax.Array, ...]:
+    """x, y[batch, T] (and, packed documents, segment ids and positions): windows of the text
+    in natural order (seeded)."""
     return gpt.windows(np.random.default_rng(seed), batch, cfg.tokens, cfg.documents)
 
 
@@ -186,7 +187,9 @@ def describe(cfg: gpt.GPTConfig) -> dict[str, Any]:
 
 
 def inspect(cfg: gpt.GPTConfig, p: gpt.GPTPlan, batch: int, *, as_json: bool = False) -> str:
-    """The clipped train step's ledger against the cost model (a table or one JSON object)."""
+    """The clipped train step's ledger against the cost model (a table or one JSON object);
+    with experts, the routing of the inspected batch (one step run: tokens per expert,
+    dropped assignments)."""
     model = build(cfg, p, batch)
     optimizer = optax.adamw(1e-3)
     step = model.train_step(optimizer, clip_norm=1.0)
@@ -195,15 +198,32 @@ def inspect(cfg: gpt.GPTConfig, p: gpt.GPTPlan, batch: int, *, as_json: bool = F
     inputs = model.shard_batch(*ordered(p, *sample(cfg, batch)))
     measured = ledger.measure(step, params, state, *inputs, mesh=model.mesh)
     local = sum(leaf.addressable_shards[0].data.size for leaf in jax.tree.leaves(params))
+    routing = _routing(model, params, inputs) if cfg.experts is not None else {}
     expectation = gpt.expectation(cfg, p, batch, local)
     if expectation is None:
         why = "remat (the blocks' collectives re-run)" if p.remat != "none" else "the Ulysses core"
         note = f"no cost model for {why}: measured only"
         if as_json:
-            return json.dumps({"model": model_name(cfg), **measured.to_json(), "note": note})
-        return ledger.format_table(measured) + f"\n({note})"
+            return json.dumps({"model": model_name(cfg), **measured.to_json(), "note": note,
+                               **routing})  # fmt: skip
+        return ledger.format_table(measured) + f"\n({note})" + _routing_line(routing)
     report = Report(measured, expectation)
-    return json.dumps(report.to_json()) if as_json else report.format()
+    if as_json:
+        return json.dumps({**report.to_json(), **routing})
+    return report.format() + _routing_line(routing)
+
+
+def _routing(model: ShardedModel, params: Any, inputs: tuple[jax.Array, ...]) -> dict[str, Any]:
+    """The MoE metrics of one forward and backward on ``inputs`` (the step's own)."""
+    out, _ = model.loss_and_grads(params, *inputs)
+    return {k: v for k, v in _host(dict(out)).items() if k != "loss"}  # aux: a dict
+
+
+def _routing_line(routing: dict[str, Any]) -> str:
+    if not routing:
+        return ""
+    return (f"\nrouting of this batch: tokens per expert {routing['tokens_per_expert']}, "
+            f"dropped {int(routing['dropped'])} ({routing['dropped_fraction']:.1%})")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- train

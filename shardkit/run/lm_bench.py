@@ -16,7 +16,9 @@ device), capacities and drops — except with seq, where the auto groups hold th
 order and the hand plan's its layout's, so drops may differ; the first step's losses are in the
 row. Timing, bytes, memory and MFU as in ``run.bench``, whose table and plot print the result.
 The model is ``models.gpt``'s decoder widened (``bench_config``) so that matmuls, not dispatch,
-dominate a CPU step.
+dominate a CPU step. The twin's layer loop is unrolled for auto and one device: with the
+``lax.scan``, XLA:CPU deadlocked the partitioned step now and then (its device threads waiting
+in different collectives; docs/design.md), unrolled it ran every time tried.
 """
 
 from __future__ import annotations
@@ -98,20 +100,24 @@ def auto_loss(cfg: gpt.GPTConfig, p: gpt.GPTPlan, mesh: Any | None) -> Callable[
         return x if mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
     groups = (p.mesh["data"] * p.mesh["expert"], p.mesh["seq"])
-    hooks: dict[str, Any] = {}
+    hooks: dict[str, Any] = {"unroll": True}  # XLA:CPU deadlocked the partitioned scan
     if cfg.experts is not None:
         hooks["moe_block"] = gshard_moe(cfg.experts, groups, pin)
     if p.mesh["seq"] > 1 and mesh is not None:
         hooks["constrain"] = lambda h: pin(h, TOKENS)
-    return lambda params, x, y: gpt.twin_loss(params, x, y, cfg, **hooks)
+
+    def loss(params: Any, x: jax.Array, y: jax.Array, *docs: jax.Array) -> jax.Array:
+        return gpt.twin_loss(params, x, y, cfg, seg=docs[0] if docs else None, **hooks)
+
+    return loss
 
 
 def auto_step(loss: Callable[..., Any], optimizer: optax.GradientTransformation) -> Any:
     """value_and_grad, clipping to ``CLIP`` by the global norm, the optimizer; jitted, donating
     params and state (the caller's placement decides the shardings)."""
 
-    def step(params: Any, state: Any, x: jax.Array, y: jax.Array) -> Any:
-        value, grads = jax.value_and_grad(loss)(params, x, y)
+    def step(params: Any, state: Any, *batch: jax.Array) -> Any:
+        value, grads = jax.value_and_grad(loss)(params, *batch)
         norm = optax.tree.norm(grads)
         grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, CLIP / norm), grads)
         params, state = dp.optax_update(optimizer, grads, state, params)
@@ -150,6 +156,8 @@ def contenders(cfg: gpt.GPTConfig, p: gpt.GPTPlan, batch: int, params: Any, data
     single_step = jax.jit(auto_step(auto_loss(cfg, p, None), optimizer), donate_argnums=(0, 1))
     single = _contender(single_step, one, jax.jit(optimizer.init)(one),
                         [jax.device_put(a, device) for a in data], None)  # fmt: skip
+    for c in (ours, auto, single):  # nothing still in flight when the first step starts
+        jax.block_until_ready((c.params, c.opt_state, c.batch))
     return ours, auto, single
 
 

@@ -30,6 +30,8 @@ def test_inspect_moe_gpt_holds_its_contract(capsys):
     assert got["ratio"] == pytest.approx(1.0, abs=1e-4)
     kinds = {(c["kind"], tuple(c["axes"])) for c in got["collectives"]}
     assert ("all-to-all", ("expert",)) in kinds and ("collective-permute", ("seq",)) in kinds
+    assert sum(got["tokens_per_expert"]) == 16 * 64 * 2 * 2  # B·T·k·layers, all routed
+    assert got["dropped"] == pytest.approx(got["dropped_fraction"] * 16 * 64 * 2 * 2)
 
 
 @pytest.mark.parametrize(

@@ -202,6 +202,7 @@ def twin_logits(
     seg: jax.Array | None = None,
     moe_block: Any = None,
     constrain: Any = None,
+    unroll: bool = False,
 ):
     """The unsharded decoder in plain jnp: x[B, T] token ids -> (logits[B, T, V], aux losses
     summed over layers). MoE blocks route ``plan``'s groups (its devices' tokens, in its
@@ -210,7 +211,8 @@ def twin_logits(
 
     Hooks for XLA's partitioner (``run.lm_bench``): ``moe_block(z, m) -> (out, weighted aux
     loss)`` replaces ``moe_ref``'s blocks; ``constrain(h)`` pins the residual stream at the
-    embedding and every block input (a GSPMD user's token sharding).
+    embedding and every block input (a GSPMD user's token sharding); ``unroll`` unrolls the
+    layer scan (the partitioned scan deadlocked XLA:CPU's device threads, docs/design.md).
     """
     causal = jnp.tril(jnp.ones((x.shape[1],) * 2, bool))
     pos: jax.Array = jnp.arange(x.shape[1])
@@ -250,7 +252,7 @@ def twin_logits(
         z = jax.nn.silu(z @ m["gate"]["kernel"]) * (z @ m["up"]["kernel"])
         return h + z @ m["down"]["kernel"], jnp.zeros(())
 
-    h, aux = jax.lax.scan(block, constrain(p["embed"][x]), p["blocks"])
+    h, aux = jax.lax.scan(block, constrain(p["embed"][x]), p["blocks"], unroll=unroll)
     return lm.rms_norm(h, p["norm"]) @ p["head"], aux.sum()
 
 
