@@ -214,14 +214,10 @@ def twin_logits(
     embedding and every block input (a GSPMD user's token sharding); ``unroll`` unrolls the
     layer scan (the partitioned scan deadlocked XLA:CPU's device threads, docs/design.md).
     """
-    causal = jnp.tril(jnp.ones((x.shape[1],) * 2, bool))
+    mask = jnp.tril(jnp.ones((1,) + (x.shape[1],) * 2, bool))  # [1 or B, T, T]
     pos: jax.Array = jnp.arange(x.shape[1])
-    if seg is not None:
-        pos, causal = (
-            lm.document_positions(seg),
-            causal[None] & (seg[:, :, None] == seg[:, None, :]),
-        )
-    mask = causal if causal.ndim == 3 else causal[None]
+    if seg is not None:  # packed documents: within a segment, positions from its start
+        pos, mask = lm.document_positions(seg), mask & (seg[:, :, None] == seg[:, None, :])
     constrain = constrain or (lambda h: h)
     plan = plan or GPTPlan({})
     grouping = (plan.mesh["data"] * plan.mesh["expert"], plan.mesh["seq"])
@@ -286,15 +282,8 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
     def mlp(z, m):  # SwiGLU over model, or the experts: (out, aux losses' share, counts)
         if cfg.experts is None:
             return tensor.gated_mlp_tp(z, m, tp), jnp.zeros(()), jnp.zeros(1)
-        out, aux = moe.moe_layer(
-            z,
-            m,
-            cfg.experts,
-            expert_axis=ep,
-            tp=tp,
-            batch_axes=("data", "expert"),
-            seq_axes=("seq",),
-        )  # the spec's
+        out, aux = moe.moe_layer(z, m, cfg.experts, expert_axis=ep, tp=tp,
+                                 batch_axes=("data", "expert"), seq_axes=("seq",))  # fmt: skip
         counts = jnp.concatenate([aux.tokens_per_expert, aux.dropped[None]])
         return out, ALPHA * aux.load_balance + BETA * aux.router_z, counts
 
@@ -317,18 +306,12 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
         share = ce.sum() / targets(y)
         if cfg.experts is None:
             return share
-        return share + aux.sum(), moe_metrics(counts, y.size * mesh.size // n_model)
+        return share + aux.sum(), _moe_metrics(cfg, counts, y.size * mesh.size // n_model)
 
     def targets(y):  # the global count of real targets: every token's, or summed (documents)
         if not cfg.documents:
             return y.size * mesh.shape["data"] * mesh.shape["expert"] * n_seq
         return jax.lax.psum(lm.valid_count(y), tuple(a for a in token_split if mesh.shape[a] > 1))
-
-    def moe_metrics(counts, tokens):  # counts [layers, E + 1]: global, the same everywhere
-        per_expert, dropped = counts[:, :-1].sum(0), counts[:, -1].sum()
-        routed = tokens * (cfg.experts.top_k if cfg.experts else 0) * cfg.layers
-        return {"tokens_per_expert": per_expert, "dropped": dropped,
-                "dropped_fraction": dropped / routed}  # fmt: skip
 
     token_split, tokens = ("data", "expert", "seq"), P(("data", "expert"), "seq")
     return ShardedModel(mesh, param_axes(cfg.experts is not None),
@@ -339,3 +322,12 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
 
 
 # --8<-- [end:sharded]
+
+
+def _moe_metrics(cfg: GPTConfig, counts: jax.Array, tokens: int) -> dict[str, jax.Array]:
+    """Tokens per expert, dropped assignments and their fraction of the routed ones, from the
+    per-layer counts [layers, E + 1] (global: the same on every device)."""
+    per_expert, dropped = counts[:, :-1].sum(0), counts[:, -1].sum()
+    routed = tokens * (cfg.experts.top_k if cfg.experts else 0) * cfg.layers
+    return {"tokens_per_expert": per_expert, "dropped": dropped,
+            "dropped_fraction": dropped / routed}  # fmt: skip
