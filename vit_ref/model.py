@@ -15,6 +15,7 @@ sharded code maps those names to mesh axes in one rules table instead of scatter
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -114,8 +115,10 @@ def cast(x: Array, dtype: jnp.dtype | None) -> Array:
 # ----------------------------------------------------------------------------- init
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def init(key: jax.Array, cfg: ViTConfig) -> Params:
-    """Draws fresh float32 params for ``cfg`` (deterministic in ``key``)."""
+    """Draws fresh float32 params for ``cfg`` (deterministic in ``key``), as one compiled
+    program: run op by op it would compile each of its ~60 ops in turn."""
     k_embed, k_pos, k_blocks, k_head = jax.random.split(key, 4)
     d = cfg.dim
     params: Params = {

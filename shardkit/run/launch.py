@@ -18,6 +18,8 @@ The child side (``start_watchdog``, ``beat``): a process blocked in a collective
 for a peer that hangs outside one (alive, so its heartbeats continue). ``beat()`` marks
 progress (a train step, a verify case); a daemon thread ends the process (``os._exit``) with one
 line when no beat came for ``SHARDKIT_WATCHDOG_S`` seconds, which makes ``launch`` end the rest.
+The clock starts at the first beat (a compiled train step): start-up and the first compile take
+as long as they take on a loaded host and are not a hang.
 A peer that dies is caught sooner: by ``launch`` at its next poll (0.1 s), or, for processes
 started by hand, by the coordination service after ``SHARDKIT_HEARTBEAT_S`` missed seconds.
 """
@@ -228,27 +230,29 @@ def launch(argv: Sequence[str], procs: int, *, port: int | None = None,
 
 # ----------------------------------------------------------------------------- the children
 
-_last_beat = time.monotonic()
+_last_beat: float | None = None  # None: not armed yet (no beat since start)
 
 
 def beat() -> None:
-    """Marks progress for this process's watchdog (a no-op cost: one clock read)."""
+    """Marks progress for this process's watchdog (one clock read); the first beat arms it."""
     global _last_beat
     _last_beat = time.monotonic()
 
 
 def start_watchdog(index: int, environ: dict[str, str] | None = None) -> None:
     """From ``SHARDKIT_WATCHDOG_S`` (unset: none), a daemon thread that ends this process with
-    ``WATCHDOG_STATUS`` and one line when ``beat`` was not called for that many seconds."""
+    ``WATCHDOG_STATUS`` and one line when, after the first ``beat``, no other came for that many
+    seconds."""
     text = (os.environ if environ is None else environ).get(WATCHDOG_ENV)
     if not text:
         return
     limit = float(text)
-    beat()
 
     def watch() -> None:
         while True:
             time.sleep(min(1.0, limit / 4))
+            if _last_beat is None:
+                continue
             idle = time.monotonic() - _last_beat
             if idle > limit:
                 print(f"shardkit: process {index} made no progress for {idle:.0f} s (watchdog "
