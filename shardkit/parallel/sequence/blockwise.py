@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from shardkit import kernels
 from shardkit.parallel.vma import vary_like
 
 MASK_VALUE = float(np.float32(-0.7 * float(np.finfo(np.float32).max)))  # exact in float32
@@ -443,8 +444,9 @@ def attention_local(
     *,
     causal: bool = False,
     segment_ids: Segments = None,
+    kernel: str = "auto",
 ) -> tuple[Block, Lse]:
-    """Masked softmax attention on whole local blocks (no communication; plain autodiff).
+    """Masked softmax attention on whole local blocks (no communication).
 
     Args:
       q: queries [b, t, h, k]; k, v: keys and values [b, s, h, k] (same dtype as q).
@@ -452,12 +454,18 @@ def attention_local(
       causal: query i sees keys 0..i only (positions from 0 in both blocks).
       segment_ids: int [b, t] (t = s) for packed sequences: a query sees only the keys of its
         own segment (ANDed with the other masks), or None.
+      kernel: "jnp" (this module's math, plain autodiff), "pallas" (``shardkit.kernels``:
+        splash attention with its own backward; Pallas' interpreter off a TPU) or "auto"
+        (Pallas on a TPU backend, else jnp).
 
     Returns:
       out [b, t, h, k] in q's dtype (zeros for a query with no valid key) and the float32
       log-sum-exp of its logits, lse [b, h, t] (MASK_VALUE for a query with no valid key).
     """
     _check_blocks(q, k, v, key_valid, segment_ids)
+    if kernels.resolve_kernel(kernel) == "pallas":
+        hop = kernels.local_mask(q.shape[1], k.shape[1], causal)
+        return kernels.attend(q, k, v, hop, segment_ids, segment_ids, key_valid, None)
     q_pos, key_pos = (jnp.arange(x.shape[1]) if causal else None for x in (q, k))
     mask = _mask(key_valid, _Queries(q_pos, segment_ids), key_pos, segment_ids)
     return _finish(_block_stats(q, k, v, mask), q.dtype)

@@ -93,6 +93,7 @@ def sharded_attention(
     causal: bool = False,
     layout: str = "contiguous",
     segment_ids: Int[Array, "b t"] | None = None,
+    kernel: str = "auto",
 ) -> tuple[Float[Array, "b t h k"], Float[Array, "b h t"]]:
     """Sequence-parallel attention on global arrays: pads, runs ``shard_map``, slices back.
 
@@ -116,6 +117,8 @@ def sharded_attention(
         into it before ``shard_map`` and back after, so results are in sequence order.
       segment_ids: optional int [b, t] (t = s) for packed sequences: a query sees only the
         keys of its own segment (data: it travels like ``key_valid``).
+      kernel: each device's attention compute, "auto", "jnp" or "pallas" (see
+        ``attention_ring``); the bytes moved are the same.
 
     Returns:
       out [b, t, h, k] and float32 lse [b, h, t], as ``attention_local`` on the whole arrays.
@@ -130,7 +133,7 @@ def sharded_attention(
     args, in_specs = _padded_inputs(given, n, seq, layout)
     num_valid = s if num_valid is None else min(num_valid, s)
 
-    opts = dict(num_valid=num_valid, causal=causal, layout=layout)
+    opts = dict(num_valid=num_valid, causal=causal, layout=layout, kernel=kernel)
 
     def body(a: dict[str, Array]) -> tuple:
         key_valid, segs = a.get("key_valid"), a.get("segment_ids")

@@ -9,11 +9,15 @@ Block math: ``sequence.blockwise``; signatures and masks: the ``sequence`` packa
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array
 
+from shardkit import kernels
 from shardkit.parallel.sequence import layouts
 from shardkit.parallel.sequence.blockwise import (
     _KV,
@@ -29,6 +33,7 @@ from shardkit.parallel.sequence.blockwise import (
     _check_num_valid,
     _finish,
     _Masks,
+    _merge,
     _no_stats,
     _positions_valid,
     _Queries,
@@ -43,6 +48,88 @@ from shardkit.parallel.vma import shard_map_primitive, vary_like
 
 def _ring_perm(n: int) -> list[tuple[int, int]]:
     return [(i, (i + 1) % n) for i in range(n)]
+
+
+class _Hops(NamedTuple):
+    """How a ring's hops are laid out and computed (static): the token ``layout``, ring
+    blocks of ``group`` consecutive shards of it (USP's Ulysses degree; a plain ring: 1), and
+    the ``kernel`` each hop runs on ("jnp" or "pallas", resolved)."""
+
+    layout: str
+    group: int = 1
+    kernel: str = "jnp"
+
+
+def _kernel_cases(hops: _Hops, n: int, t: int, s: int, causal: bool) -> tuple[tuple, Array]:
+    """The Pallas path's static hop masks and case [n, n] (receiver, source) indexing them."""
+    if not causal:
+        return (kernels.full_mask(t, s),), jnp.zeros((n, n), jnp.int32)
+    table = layouts.positions(hops.layout, n * hops.group, t // hops.group).reshape(n, t)
+    masks, case = kernels.hop_masks(np.asarray(table))
+    return masks, jnp.asarray(case)
+
+
+def _hop_case(case: Array, axis: str, step: Array | int) -> Array:
+    """The case of the block held after ``step`` hops (it started on device i − step)."""
+    me = jax.lax.axis_index(axis)
+    return case[me, (me - step) % jax.lax.axis_size(axis)]
+
+
+def _kernel_attend(
+    stats: _Stats, q: Array, q_seg: Array | None, kv: _KV, cases: tuple, index: Array
+) -> _Stats:
+    """``stats`` merged with this hop's (out, lse) from the Pallas kernel of its case's mask
+    (a case whose mask hides every pair is skipped)."""
+    k, v, valid, _, seg = kv
+
+    def attend(mask: kernels.HopMask) -> Callable[[_Stats], _Stats]:
+        def run(stats: _Stats) -> _Stats:
+            out, lse = kernels.block_attention(
+                q, k, v, mask, q_seg=q_seg, kv_seg=seg, key_valid=valid
+            )
+            has_key = (lse > kernels.MASK_VALUE / 2).astype(jnp.float32)
+            return _merge(stats, (lse, has_key, out.astype(jnp.float32)))
+
+        return (lambda stats: stats) if mask.empty else run
+
+    branches = [attend(m) for m in cases[0]]
+    if len(branches) == 1:
+        return branches[0](stats)
+    return jax.lax.switch(index, branches, stats)
+
+
+def _kernel_grads(
+    dq: Array,
+    q: Array,
+    q_seg: Array | None,
+    kv: _KV,
+    cases: tuple,
+    index: Array,
+    d_out: Array,
+    lse: Array,
+    delta: Array,
+) -> tuple[Array, Array, Array]:
+    """(dq + this hop's dq, its dk, dv) from the Pallas backward of its case's mask."""
+    k, v, valid, _, seg = kv
+
+    def grads(mask: kernels.HopMask) -> Callable[[Array], tuple[Array, Array, Array]]:
+        def run(dq: Array) -> tuple[Array, Array, Array]:
+            dq_h, dk, dv = kernels.block_attention_grads(
+                q, k, v, mask, d_out, lse, delta, q_seg=q_seg, kv_seg=seg, key_valid=valid
+            )
+            return dq + dq_h, dk, dv
+
+        def skip(dq: Array) -> tuple[Array, Array, Array]:
+            like = (q, k, v, valid, seg, d_out, lse, delta)
+            dk, dv = (vary_like(jnp.zeros(x.shape, jnp.float32), *like) for x in (k, v))
+            return dq, dk, dv
+
+        return skip if mask.empty else run
+
+    branches = [grads(m) for m in cases[0]]
+    if len(branches) == 1:
+        return branches[0](dq)
+    return jax.lax.switch(index, branches, dq)
 
 
 def _ring_table(layout: str, n: int, group: int, t: int) -> Array:
@@ -90,28 +177,38 @@ def _ring_forward(
     chunk: int,
     num_valid: int | None,
     causal: bool,
-    layout: tuple[str, int],
+    hops: _Hops,
 ) -> tuple[Array, Array]:
-    """(out, lse): K/V blocks travel the ring; each is attended ``chunk`` keys at a time."""
+    """(out, lse): K/V blocks travel the ring; each is attended ``chunk`` keys at a time (jnp)
+    or by the Pallas kernel of its hop's mask."""
     key_valid, segment_ids = masks
     n = jax.lax.axis_size(axis)
-    tiles = _tiles(k.shape[1], chunk, causal, *layout)[1]
-    table = _ring_table(layout[0], n, layout[1], k.shape[1])
+    table = _ring_table(hops.layout, n, hops.group, k.shape[1])
     block = functools.partial(
         _hop_block, axis=axis, num_valid=num_valid, causal=causal, table=table
     )
-    q_pos = _ring_queries(axis, causal, table, segment_ids)
-    attend = functools.partial(_attend, q=q, q_pos=q_pos, chunk=chunk, q_chunks=tiles)
+    if hops.kernel == "pallas":
+        cases = _kernel_cases(hops, n, q.shape[1], k.shape[1], causal)
+
+        def attend(stats: _Stats, kv: _KV, step: Array | int) -> _Stats:
+            index = _hop_case(cases[1], axis, step)
+            return _kernel_attend(stats, q, segment_ids, kv, cases, index)
+    else:
+        tiles = _tiles(k.shape[1], chunk, causal, hops.layout, hops.group)[1]
+        q_pos = _ring_queries(axis, causal, table, segment_ids)
+
+        def attend(stats: _Stats, kv: _KV, step: Array | int) -> _Stats:
+            return _attend(stats, q, q_pos, kv, chunk, tiles)
 
     def hop(carry: tuple[_Stats, tuple], step: Array) -> tuple[tuple[_Stats, tuple], None]:
         stats, kv = carry
         # Pass the K/V block (with key_valid, segment ids if any) one step round the ring: after j
         # hops this device holds the block that started on device i − j.
         kv = jax.lax.ppermute(kv, axis, _ring_perm(n))
-        return (attend(stats, kv=block(kv, step)), kv), None
+        return (attend(stats, block(kv, step), step), kv), None
 
     kv = (k, v, key_valid, segment_ids)
-    stats = attend(_no_stats(q, block(kv, 0)), kv=block(kv, 0))
+    stats = attend(_no_stats(q, block(kv, 0)), block(kv, 0), 0)
     if n > 1:
         (stats, _), _ = jax.lax.scan(hop, (stats, kv), jnp.arange(1, n))
     return _finish(stats, q.dtype)
@@ -142,7 +239,7 @@ def attention_ring_autodiff(
     _check_ring(q, k, v, key_valid, num_valid, causal, segment_ids)
     chunk = _tiles(k.shape[1], key_chunk, causal, layout, 1)[0]
     return _ring_forward(
-        q, k, v, (key_valid, segment_ids), axis, chunk, num_valid, causal, (layout, 1)
+        q, k, v, (key_valid, segment_ids), axis, chunk, num_valid, causal, _Hops(layout)
     )
 
 
@@ -156,9 +253,9 @@ def _ring(
     chunk: int,
     num_valid: int | None,
     causal: bool,
-    layout: tuple[str, int],
+    hops: _Hops,
 ) -> tuple[Array, Array]:
-    return _ring_forward(q, k, v, masks, axis, chunk, num_valid, causal, layout)
+    return _ring_forward(q, k, v, masks, axis, chunk, num_valid, causal, hops)
 
 
 def _ring_fwd(
@@ -170,9 +267,9 @@ def _ring_fwd(
     chunk: int,
     num_valid: int | None,
     causal: bool,
-    layout: tuple[str, int],
+    hops: _Hops,
 ) -> tuple[tuple[Array, Array], tuple]:
-    out, lse = _ring_forward(q, k, v, masks, axis, chunk, num_valid, causal, layout)
+    out, lse = _ring_forward(q, k, v, masks, axis, chunk, num_valid, causal, hops)
     return (out, lse), (q, k, v, masks, out, lse)
 
 
@@ -181,7 +278,7 @@ def _ring_bwd(
     chunk: int,
     num_valid: int | None,
     causal: bool,
-    layout: tuple[str, int],
+    hops: _Hops,
     res: tuple,
     cts: tuple[Array, Array],
 ) -> tuple:
@@ -191,19 +288,20 @@ def _ring_bwd(
     f32 = jnp.float32
     delta = _bhq_to_bqh(jnp.sum(d_out.astype(f32) * out.astype(f32), -1)) - d_lse
     n = jax.lax.axis_size(axis)
-    table = _ring_table(layout[0], n, layout[1], k.shape[1])
-    q_pos = _ring_queries(axis, causal, table, segment_ids)
-    tiles = _tiles(k.shape[1], chunk, causal, *layout)[1]
-    grads = functools.partial(
-        _attend_grads,
-        q=q,
-        q_pos=q_pos,
-        chunk=chunk,
-        d_out=d_out,
-        lse=lse,
-        delta=delta,
-        q_chunks=tiles,
-    )
+    table = _ring_table(hops.layout, n, hops.group, k.shape[1])
+    if hops.kernel == "pallas":
+        cases = _kernel_cases(hops, n, q.shape[1], k.shape[1], causal)
+
+        def grads(dq: Array, kv: _KV, step: Array | int) -> tuple[Array, Array, Array]:
+            index = _hop_case(cases[1], axis, step)
+            return _kernel_grads(dq, q, segment_ids, kv, cases, index, d_out, lse, delta)
+    else:
+        q_pos = _ring_queries(axis, causal, table, segment_ids)
+        tiles = _tiles(k.shape[1], chunk, causal, hops.layout, hops.group)[1]
+
+        def grads(dq: Array, kv: _KV, step: Array | int) -> tuple[Array, Array, Array]:
+            return _attend_grads(dq, q, q_pos, kv, chunk, d_out, lse, delta, tiles)
+
     block = functools.partial(
         _hop_block, axis=axis, num_valid=num_valid, causal=causal, table=table
     )
@@ -212,12 +310,12 @@ def _ring_bwd(
         dq, kv, dkv = carry
         # K, V (key_valid, segment ids if any) and their gradient accumulators travel together.
         kv, (dk, dv) = jax.lax.ppermute((kv, dkv), axis, _ring_perm(n))
-        dq, dk_blk, dv_blk = grads(dq, kv=block(kv, step))
+        dq, dk_blk, dv_blk = grads(dq, block(kv, step), step)
         return (dq, kv, (dk + dk_blk, dv + dv_blk)), None
 
     kv = (k, v, key_valid, segment_ids)
     dq = vary_like(jnp.zeros(q.shape, f32), q, *block(kv, 0), d_out, lse, delta)
-    dq, dk, dv = grads(dq, kv=block(kv, 0))
+    dq, dk, dv = grads(dq, block(kv, 0), 0)
     if n > 1:
         (dq, _, (dk, dv)), _ = jax.lax.scan(hop, (dq, kv, (dk, dv)), jnp.arange(1, n))
         # n-th hop for dK, dV only: each accumulator returns to the device that owns its block.
@@ -241,6 +339,7 @@ def attention_ring(
     causal: bool = False,
     layout: str = "contiguous",
     segment_ids: Segments = None,
+    kernel: str = "auto",
 ) -> tuple[Block, Lse]:
     """Ring attention over mesh axis ``axis`` with a memory-lean hand-written backward.
 
@@ -274,6 +373,10 @@ def attention_ring(
         global arrays with ``layouts.to_layout`` first. Positions also place ``num_valid``.
       segment_ids: local int [b, t] for packed sequences: a query sees only keys of its own
         segment. Data: the key block's ids travel round the ring with it (b·t ints a hop).
+      kernel: each hop's compute: "jnp" (``blockwise``, ``key_chunk`` keys at a time),
+        "pallas" (``shardkit.kernels``: the splash kernel of the hop's mask, chosen per hop
+        from the layout's few distinct masks; a hop that sees nothing is skipped) or "auto"
+        (Pallas on a TPU backend, else jnp). Either moves the same bytes.
 
     Returns:
       out [b, t, h, k] (q's dtype) and lse [b, h, t] (float32), equal to attention over the
@@ -282,7 +385,8 @@ def attention_ring(
     _check_ring(q, k, v, key_valid, num_valid, causal, segment_ids)
     chunk = _tiles(k.shape[1], key_chunk, causal, layout, 1)[0]
     masks = (key_valid, segment_ids)
-    return _ring(q, k, v, masks, axis, chunk, num_valid, causal, (layout, 1))
+    hops = _Hops(layout, 1, kernels.resolve_kernel(kernel))
+    return _ring(q, k, v, masks, axis, chunk, num_valid, causal, hops)
 
 
 def _attention_ring_grouped(
@@ -297,13 +401,15 @@ def _attention_ring_grouped(
     layout: str,
     group: int,
     segment_ids: Segments = None,
+    kernel: str = "auto",
 ) -> tuple[Block, Lse]:
     """``attention_ring`` whose blocks each hold ``group`` consecutive shards of ``layout``
     (USP's ring after its all-to-all over a Ulysses axis of size ``group``)."""
     _check_ring(q, k, v, key_valid, num_valid, causal, segment_ids)
     chunk = _tiles(k.shape[1], key_chunk, causal, layout, group)[0]
     masks = (key_valid, segment_ids)
-    return _ring(q, k, v, masks, axis, chunk, num_valid, causal, (layout, group))
+    hops = _Hops(layout, group, kernels.resolve_kernel(kernel))
+    return _ring(q, k, v, masks, axis, chunk, num_valid, causal, hops)
 
 
 def _check_ring(

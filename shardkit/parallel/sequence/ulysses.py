@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, Mesh
 from jaxtyping import Array, Float
 
+from shardkit import kernels
 from shardkit.mesh import AXES, PlanError
 from shardkit.parallel.sequence import layouts
 from shardkit.parallel.sequence.blockwise import (
@@ -119,6 +122,7 @@ def attention_ulysses(
     causal: bool = False,
     layout: str = "contiguous",
     segment_ids: Segments = None,
+    kernel: str = "auto",
 ) -> tuple[Block, Lse]:
     """Ulysses (DeepSpeed) sequence parallelism over mesh axis ``axis`` of size n.
 
@@ -146,6 +150,8 @@ def attention_ulysses(
         reading each gathered token's position from ``layouts.positions``.
       segment_ids: local int [b, t] for packed sequences (a query sees its own segment's
         keys only); all-gathered over ``axis``, like ``key_valid``.
+      kernel: the local attention's kernel (see ``attention_local``); on Pallas, a causal
+        zigzag or striped sequence is put in position order first (a local permutation).
 
     Returns:
       out [b, t, h, k] and lse [b, h, t] as ``attention_local`` on the whole sequence.
@@ -162,11 +168,30 @@ def attention_ulysses(
         n, s = jax.lax.axis_size(axis), k.shape[1]
         pos = jnp.asarray(layouts.positions(layout, n, s // n).reshape(-1))
         valid = _and_valid(key_valid, _positions_valid(pos, num_valid, s))
+        if kernels.resolve_kernel(kernel) == "pallas":
+            order = np.argsort(layouts.positions(layout, n, s // n).reshape(-1))
+            return _ordered_kernel(q, k, v, valid, segs, order if causal else None)
         key_pos = pos if causal else None
         mask = _mask(valid, _Queries(key_pos, segs), key_pos, segs)
         return _finish(_block_stats(q, k, v, mask), q.dtype)
 
     return _ulysses(q, k, v, key_valid, segment_ids, axis, local)
+
+
+def _ordered_kernel(
+    q: Array, k: Array, v: Array, valid: Array | None, segs: Array | None, order: Any
+) -> tuple[Array, Array]:
+    """Pallas attention on whole blocks, causal in position ``order`` (a static permutation
+    of the local tokens; None: bidirectional, any order)."""
+    s = k.shape[1]
+    if order is None:
+        return kernels.attend(q, k, v, kernels.local_mask(s, s, False), segs, segs, valid, None)
+    back = np.argsort(order)
+    q, k, v = (x[:, order] for x in (q, k, v))
+    segs = None if segs is None else segs[:, order]
+    valid = None if valid is None else valid[..., order]
+    out, lse = kernels.attend(q, k, v, kernels.local_mask(s, s, True), segs, segs, valid, None)
+    return out[:, back], lse[..., back]
 
 
 # ----------------------------------------------------------------------------- USP
@@ -186,6 +211,7 @@ def attention_usp(
     causal: bool = False,
     layout: str = "contiguous",
     segment_ids: Segments = None,
+    kernel: str = "auto",
 ) -> tuple[Block, Lse]:
     """Unified sequence parallelism: Ulysses over ``ulysses_axis``, ring over ``ring_axis``.
 
@@ -213,6 +239,7 @@ def attention_usp(
       layout: the token layout over the n = r·u devices of (ring_axis, ulysses_axis).
       segment_ids: local int [b, t] for packed sequences: all-gathered over the Ulysses axis,
         then sent round the ring with K and V.
+      kernel: the ring hops' kernel (see ``attention_ring``).
 
     Returns:
       out [b, t, h, k] and lse [b, h, t] as ``attention_local`` on the whole sequence.
@@ -224,7 +251,7 @@ def attention_usp(
         q: Array, k: Array, v: Array, key_valid: Array | None, segs: Array | None
     ) -> tuple[Array, Array]:
         return _attention_ring_grouped(
-            q, k, v, key_valid, ring_axis, key_chunk, num_valid, causal, layout, u, segs
+            q, k, v, key_valid, ring_axis, key_chunk, num_valid, causal, layout, u, segs, kernel
         )
 
     return _ulysses(q, k, v, key_valid, segment_ids, ulysses_axis, ring)

@@ -1,0 +1,445 @@
+"""Block attention on JAX's Pallas splash-attention kernels (TPU; interpret mode elsewhere).
+
+One block of queries q [b, t, h, d] against one block of keys and values k, v [b, s, h_kv, d]
+(h_kv divides h: grouped-query heads share a key head without being repeated), under
+
+- a static ``HopMask``: which (query, key) pairs are visible, in local indices, derived from
+  the tokens' global positions (``hop_masks``): a ring hop of any layout is a few runs of
+  evenly spaced positions, and its mask is, per pair of runs, everything, nothing, or a causal
+  diagonal with an offset; the kernel skips the blocks a mask hides;
+- dynamic segment ids (packed sequences) and a key mask (padding), both as splash's segment
+  ids: a masked key gets a segment no query has.
+
+``block_attention`` returns (out, lse) with float32 lse [b, h, t]; ``block_attention_grads``
+takes a log-sum-exp and delta = rowsum(d_out · out) − d_lse computed over *every* block the
+queries saw (a ring's whole sequence) and returns this block's float32 (dq, dk, dv): the
+per-hop forward and backward of ``shardkit.parallel.sequence``. Rows with no visible key give
+out 0 and lse ``MASK_VALUE``, as the jnp path does.
+
+The backward calls splash's fused dq/dk/dv kernel (``_splash_attention_bwd_dkv``, private in
+JAX 0.10.2, the version ``pyproject.toml`` pins): splash's public custom_vjp computes delta from
+its own block's output, which a ring hop's backward must not. Tokens are padded to whole
+blocks of 128 (the TPU's lanes) and the padding masked: any t, s works.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+from jaxtyping import Array
+
+from jax._src import config as _jax_config  # isort: skip  (the shard_map type check; see _run)
+
+__all__ = [
+    "KERNELS",
+    "MASK_VALUE",
+    "HopMask",
+    "attend",
+    "block_attention",
+    "block_attention_grads",
+    "full_mask",
+    "hop_masks",
+    "local_mask",
+    "resolve_kernel",
+]
+
+KERNELS = ("auto", "jnp", "pallas")
+MASK_VALUE = float(np.float32(-0.7 * float(np.finfo(np.float32).max)))  # splash's and ours
+LANES = 128  # tokens are padded to whole blocks of this
+MAX_RUNS = 8  # most runs of evenly spaced positions a block may have
+_MASKED = np.iinfo(np.int32).min  # the segment id of a masked key (no query has it)
+FULL, NONE = "full", "none"
+Entry = int | str  # per pair of runs: FULL, NONE, or o: query i sees key j iff i + o ≥ j
+
+
+def resolve_kernel(kernel: str) -> str:
+    """ "jnp" or "pallas" for a plan's ``kernel``: "auto" is Pallas on a TPU backend, else jnp."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}.")
+    if kernel == "auto":
+        return "pallas" if jax.default_backend() == "tpu" else "jnp"
+    return kernel
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+@dataclasses.dataclass(frozen=True)
+class HopMask:
+    """Which local (query i, key j) pairs are visible: the block is ``runs`` runs of ``length``
+    tokens on each side, and ``entries[a][b]`` says it for query run a against key run b."""
+
+    runs: int
+    length: int
+    entries: tuple[tuple[Entry, ...], ...]
+
+    @property
+    def empty(self) -> bool:
+        return all(e == NONE for row in self.entries for e in row)
+
+    @property
+    def full(self) -> bool:
+        return all(e == FULL for row in self.entries for e in row)
+
+    def visible(self, q: np.ndarray | Array, k: np.ndarray | Array) -> np.ndarray | Array:
+        """Elementwise on index arrays (NumPy while splash plans its blocks, jnp in the
+        kernel): comparisons and logical operators only."""
+        length, seen = self.length, None
+        for a, row in enumerate(self.entries):
+            for b, entry in enumerate(row):
+                if entry == NONE:
+                    continue
+                pair = (q >= a * length) & (q < (a + 1) * length)
+                pair = pair & (k >= b * length) & (k < (b + 1) * length)
+                if entry != FULL:  # i + o ≥ j in run-local indices
+                    pair = pair & (q + (int(entry) + (b - a) * length) >= k)
+                seen = pair if seen is None else seen | pair
+        return (q < 0) & (k < 0) if seen is None else seen  # nothing: all False
+
+
+def full_mask(t: int, s: int) -> HopMask:
+    """Every query sees every key (bidirectional attention)."""
+    return HopMask(1, max(t, s), ((FULL,),))
+
+
+def _runs(rows: np.ndarray) -> tuple[int, int]:
+    """(runs R, step): the fewest R splitting every row into R runs of one common spacing."""
+    t = rows.shape[1]
+    for r in range(1, min(MAX_RUNS, t) + 1):
+        if t % r:
+            continue
+        runs = rows.reshape(rows.shape[0], r, t // r)
+        steps = np.diff(runs, axis=-1)
+        if steps.size == 0:
+            return r, 1
+        if np.all(steps == steps.flat[0]) and steps.flat[0] > 0:
+            return r, int(steps.flat[0])
+    raise ValueError(
+        f"the Pallas attention kernel needs each block's token positions in at most {MAX_RUNS} "
+        f"runs of evenly spaced positions; this layout's {t}-token blocks have more."
+    )
+
+
+def _entry(q0: int, k0: int, step: int, length: int) -> Entry:
+    """Query run from q0, key run from k0, both spaced ``step``: i sees j iff
+    q0 + i·step ≥ k0 + j·step, i.e. i + floor((q0 − k0)/step) ≥ j."""
+    offset = (q0 - k0) // step
+    if offset >= length - 1:
+        return FULL
+    if offset < -(length - 1):
+        return NONE
+    return offset
+
+
+def hop_masks(
+    q_table: np.ndarray, k_table: np.ndarray | None = None
+) -> tuple[tuple[HopMask, ...], np.ndarray]:
+    """Causal masks of a ring: (the distinct masks, case [n, n] indexing them by (receiver,
+    source)), from the global positions [n, t] each device's queries (and keys) hold."""
+    k_table = q_table if k_table is None else k_table
+    n, t = q_table.shape
+    runs, step = _runs(np.concatenate([q_table, k_table]))
+    length = t // runs
+    found: dict[HopMask, int] = {}
+    case = np.zeros((n, k_table.shape[0]), np.int32)
+    q_starts, k_starts = q_table[:, ::length], k_table[:, ::length]  # [n, runs] each
+    for me in range(n):
+        for src in range(k_table.shape[0]):
+            entries = tuple(
+                tuple(_entry(int(q0), int(k0), step, length) for k0 in k_starts[src])
+                for q0 in q_starts[me]
+            )
+            mask = HopMask(runs, length, entries)
+            case[me, src] = found.setdefault(mask, len(found))
+    return tuple(found), case
+
+
+class _RunsMask(masks._ComputableMask):
+    """A ``HopMask`` of several runs as a splash mask, computed in the kernel on every block
+    it visits (padding keys are masked by segment ids, padding queries are dropped)."""
+
+    def __init__(self, mask: HopMask, shape: tuple[int, int]) -> None:
+        self.hop = mask
+        super().__init__(shape=shape, mask_function=mask.visible)
+
+    def _key(self) -> tuple:
+        return (self.hop, self.shape)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _RunsMask) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _padded(n: int) -> int:
+    return -(-n // LANES) * LANES
+
+
+BLOCK = 1024  # most tokens per kernel block (measured on a v5e: docs/strategies/kernels.md)
+
+
+def _block(n: int) -> int:
+    """The largest power-of-two multiple of 128 up to ``BLOCK`` dividing n (a multiple of 128)."""
+    b = BLOCK
+    while n % b:
+        b //= 2
+    return max(b, LANES)
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel(
+    mask: HopMask, t: int, s: int, heads: int, mqa: bool, interpret: bool
+) -> splash.SplashAttentionKernel:
+    """The splash kernel (forward with lse; fused backward blocks) of one mask and shape."""
+    tp, sp = _padded(t), _padded(s)
+    bq, bkv = _block(tp), _block(sp)
+    sizes = splash.BlockSizes(
+        block_q=bq,
+        block_kv=bkv,
+        block_kv_compute=bkv,
+        block_q_dkv=bq,
+        block_kv_dkv=bkv,
+        block_kv_dkv_compute=bkv,
+        use_fused_bwd_kernel=True,
+    )
+    make = splash.make_splash_mqa if mqa else splash.make_splash_mha
+    with jax.ensure_compile_time_eval():  # concrete mask arrays: the cache outlives a trace
+        return make(
+            masks.MultiHeadMask([_splash_mask(mask, (tp, sp))] * heads),
+            block_sizes=sizes,
+            head_shards=1,
+            q_seq_shards=1,
+            save_residuals=True,
+            interpret=interpret,
+        )
+
+
+def _splash_mask(mask: HopMask, shape: tuple[int, int]) -> masks.Mask:
+    """The cheapest splash mask for ``mask``: the kernel evaluates it on every block it visits
+    (splash's own full and causal masks for one run: no test, or one comparison)."""
+    if mask.full:
+        return masks.FullMask(shape)
+    if mask.runs == 1:
+        return masks.CausalMask(shape, offset=int(mask.entries[0][0]))
+    return _RunsMask(mask, shape)
+
+
+def _segments(
+    b: int, t: int, s: int, q_seg: Array | None, kv_seg: Array | None, key_valid: Array | None
+) -> splash.SegmentIds | None:
+    """Splash segment ids [b, t_padded], [b, s_padded]: a masked or padding key is _MASKED.
+    None when nothing needs them (the kernel then compares no segments)."""
+    if q_seg is None and kv_seg is None and key_valid is None and s == _padded(s):
+        return None
+    q_ids = jnp.zeros((b, t), jnp.int32) if q_seg is None else q_seg.astype(jnp.int32)
+    k_ids = jnp.zeros((b, s), jnp.int32) if kv_seg is None else kv_seg.astype(jnp.int32)
+    if key_valid is not None:
+        k_ids = jnp.where(jnp.broadcast_to(key_valid, (b, s)), k_ids, _MASKED)
+    q_ids = jnp.pad(q_ids, ((0, 0), (0, _padded(t) - t)))
+    k_ids = jnp.pad(k_ids, ((0, 0), (0, _padded(s) - s)), constant_values=_MASKED)
+    return splash.SegmentIds(q_ids, k_ids)
+
+
+def _to_heads(x: Array, kv_heads: int, length: int) -> Array:
+    """[b, t, h, d] -> [b, h_kv, h/h_kv, t_padded, d] (grouped heads next to their key head)."""
+    b, t, h, d = x.shape
+    x = jnp.pad(x, ((0, 0), (0, length - t), (0, 0), (0, 0)))
+    return jnp.transpose(x, (0, 2, 1, 3)).reshape(b, kv_heads, h // kv_heads, length, d)
+
+
+def _from_heads(x: Array, t: int) -> Array:
+    """[b, h_kv, g, t_padded, d] -> [b, t, h, d]."""
+    b, n, g, _, d = x.shape
+    return jnp.transpose(x.reshape(b, n * g, -1, d)[:, :, :t], (0, 2, 1, 3))
+
+
+def _kv_heads(x: Array, length: int) -> Array:
+    """[b, s, h_kv, d] -> [b, h_kv, s_padded, d]."""
+    x = jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0)))
+    return jnp.transpose(x, (0, 2, 1, 3))
+
+
+def _per_key_head(fn: Callable, *args: Array) -> Array:
+    """``fn`` over batch and key heads (args [b, h_kv, ...]; segment ids [b, ...] shared)."""
+    return jax.vmap(jax.vmap(fn, in_axes=(0, 0, 0, None)), in_axes=(0, 0, 0, 0))(*args)
+
+
+def block_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: HopMask,
+    *,
+    q_seg: Array | None = None,
+    kv_seg: Array | None = None,
+    key_valid: Array | None = None,
+    interpret: bool | None = None,
+) -> tuple[Array, Array]:
+    """(out [b, t, h, d] in q's dtype, lse [b, h, t] float32) of q against one key block.
+
+    ``mask`` is static; q_seg [b, t] / kv_seg [b, s] segment ids and key_valid [(b,) s] are
+    data. ``interpret``: None runs Pallas' interpreter off a TPU.
+    """
+    (b, t, h, d), s, n = q.shape, k.shape[1], k.shape[2]
+    tp, sp = _padded(t), _padded(s)
+    kernel = _kernel(mask, t, s, h // n, True, _interpret(interpret))
+    qh = _to_heads(q * d**-0.5, n, tp)  # splash does not scale the logits
+    seg = _segments(b, t, s, q_seg, kv_seg, key_valid)
+
+    def one(qh: Array, kh: Array, vh: Array, seg: splash.SegmentIds) -> tuple[Array, Array]:
+        out, (lse,) = kernel(qh, kh, vh, segment_ids=seg)
+        return out, lse
+
+    out, lse = _run(
+        functools.partial(_per_key_head, one), qh, _kv_heads(k, sp), _kv_heads(v, sp), seg
+    )
+    lse = lse.reshape(b, h, tp)[..., :t]
+    has_key = lse > MASK_VALUE / 2
+    out = jnp.where(jnp.swapaxes(has_key, 1, 2)[..., None], _from_heads(out, t), 0)
+    return out.astype(q.dtype), jnp.where(has_key, lse, MASK_VALUE)
+
+
+def block_attention_grads(
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: HopMask,
+    d_out: Array,
+    lse: Array,
+    delta: Array,
+    *,
+    q_seg: Array | None = None,
+    kv_seg: Array | None = None,
+    key_valid: Array | None = None,
+    interpret: bool | None = None,
+) -> tuple[Array, Array, Array]:
+    """Float32 (dq, dk, dv) of this key block, from the queries' log-sum-exp lse [b, h, t] and
+    delta [b, h, t] over every block they attend (probabilities recomputed as exp(s − lse))."""
+    (b, t, h, d), s, n = q.shape, k.shape[1], k.shape[2]
+    tp, sp = _padded(t), _padded(s)
+    kernel = _kernel(mask, t, s, h // n, True, _interpret(interpret))
+    scale = d**-0.5
+    # A row with no key: p = exp(s − lse) must be 0, not exp(MASK − MASK) = 1.
+    lse = jnp.where(lse > MASK_VALUE / 2, lse, np.finfo(np.float32).max)
+    rows = functools.partial(jnp.pad, pad_width=((0, 0), (0, 0), (0, tp - t)))
+    lse_h = rows(lse).reshape(b, n, h // n, tp)
+    delta_h = rows(delta.astype(jnp.float32)).reshape(b, n, h // n, tp)
+    seg = _segments(b, t, s, q_seg, kv_seg, key_valid)
+    qh, doh = _to_heads(q * scale, n, tp), _to_heads(d_out.astype(q.dtype), n, tp)
+    bwd = functools.partial(
+        splash._splash_attention_bwd_dkv,
+        sinks=None,
+        bq=kernel.kwargs["block_sizes"].block_q_dkv,
+        bkv=kernel.kwargs["block_sizes"].block_kv_dkv,
+        bkv_compute=kernel.kwargs["block_sizes"].block_kv_dkv_compute,
+        is_mqa=True,
+        mask_info=kernel.dkv_mask_info,  # type: ignore[arg-type]
+        mask_value=MASK_VALUE,
+        attn_logits_soft_cap=None,
+        use_fused_bwd_kernel=True,
+        q_layout=splash.QKVLayout.HEAD_DIM_MINOR,
+        k_layout=splash.QKVLayout.HEAD_DIM_MINOR,
+        v_layout=splash.QKVLayout.HEAD_DIM_MINOR,
+        mask_function=kernel.kwargs["mask_function"],
+        interpret=kernel.kwargs["interpret"],
+    )
+
+    def one(
+        qh: Array, kh: Array, vh: Array, seg: splash.SegmentIds, rows: tuple
+    ) -> tuple[Array, Array, Array]:
+        do, lse, delta = rows
+        return bwd(qh, kh, vh, seg, logsumexp=lse, do=do, di=delta)
+
+    per_head = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None, 0)), in_axes=(0, 0, 0, 0, 0))
+    dq, dk, dv = _run(per_head, qh, _kv_heads(k, sp), _kv_heads(v, sp), seg, (doh, lse_h, delta_h))
+    f32 = jnp.float32
+    dk, dv = (jnp.transpose(x[:, :, :s], (0, 2, 1, 3)).astype(f32) for x in (dk, dv))
+    return (_from_heads(dq, t) * scale).astype(f32), dk, dv
+
+
+def _run(fn: Callable, *args: Any) -> Any:
+    """``fn(*args)`` (a splash call) inside ``shard_map`` too. Splash's output shapes carry no
+    shard_map type, which a ``check_vma=True`` trace refuses; so the call is traced with the
+    check off (JAX's own switch, private in 0.10.2) and its results typed as varying over
+    every mesh axis an argument varies over: what they do."""
+    axes = frozenset().union(*(jax.typeof(x).mat.varying for x in jax.tree.leaves(args)))
+    with _jax_config._check_vma(False):
+        outs = fn(*args)
+
+    def typed(x: Array) -> Array:
+        missing = tuple(sorted(axes - jax.typeof(x).mat.varying))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(typed, outs)
+
+
+def _interpret(interpret: bool | None) -> bool:
+    return jax.default_backend() != "tpu" if interpret is None else interpret
+
+
+# ----------------------------------------------------------------------------- differentiable
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 7))
+def attend(
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: HopMask,
+    q_seg: Array | None,
+    kv_seg: Array | None,
+    key_valid: Array | None,
+    interpret: bool | None,
+) -> tuple[Array, Array]:
+    """``block_attention`` with its backward (saves q, k, v, out, lse): one whole block."""
+    return block_attention(
+        q, k, v, mask, q_seg=q_seg, kv_seg=kv_seg, key_valid=key_valid, interpret=interpret
+    )
+
+
+def _attention_fwd(
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: HopMask,
+    q_seg: Array | None,
+    kv_seg: Array | None,
+    key_valid: Array | None,
+    interpret: bool | None,
+) -> tuple[tuple[Array, Array], tuple]:
+    out, lse = attend(q, k, v, mask, q_seg, kv_seg, key_valid, interpret)
+    return (out, lse), (q, k, v, q_seg, kv_seg, key_valid, out, lse)
+
+
+def _attention_bwd(mask: HopMask, interpret: bool | None, res: tuple, cts: tuple) -> tuple:
+    q, k, v, q_seg, kv_seg, key_valid, out, lse = res
+    d_out, d_lse = cts
+    f32 = jnp.float32
+    delta = jnp.swapaxes(jnp.sum(d_out.astype(f32) * out.astype(f32), -1), 1, 2) - d_lse
+    dq, dk, dv = block_attention_grads(
+        q, k, v, mask, d_out, lse, delta,
+        q_seg=q_seg, kv_seg=kv_seg, key_valid=key_valid, interpret=interpret,
+    )  # fmt: skip
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+
+
+attend.defvjp(_attention_fwd, _attention_bwd)
+
+
+def local_mask(t: int, s: int, causal: bool) -> HopMask:
+    """The mask of whole local blocks: everything, or causal from position 0 on both sides."""
+    if not causal:
+        return full_mask(t, s)
+    return hop_masks(np.arange(t)[None, :], np.arange(s)[None, :])[0][0]
