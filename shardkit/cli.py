@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from shardkit.mesh import LAYER_LOOPS, PP_MODES, REMAT_POLICIES, SP_MODES, ZERO_LEVELS
+from shardkit.mesh import KERNELS, LAYER_LOOPS, PP_MODES, REMAT_POLICIES, SP_MODES, ZERO_LEVELS
 
 DEFAULT_MODEL = dict(
     image=32, patch=4, channels=3, classes=10, dim=64, depth=2, heads=8, mlp_dim=128, pool="tok"
@@ -24,8 +24,6 @@ MODEL_FLAGS = ("image", "patch", "channels", "classes", "dim", "depth", "heads",
 # train: image, channels and classes follow the data unless given; 8×8 digits in 2×2 patches
 # are 16 patches + a class token = 17 tokens.
 TRAIN_MODEL = dict(patch=2, dim=64, depth=2, heads=8, mlp_dim=128, pool="tok")
-
-
 LM_BATCH = 8  # the GPT's default global batch (of 64-token windows)
 
 
@@ -78,6 +76,8 @@ def _add_plan_opts(p: argparse.ArgumentParser) -> None:
                    "outputs) or full (the default when bare; re-gathers under FSDP)")  # fmt: skip
     g.add_argument("--layers", choices=LAYER_LOOPS, help="run the blocks as one lax.scan "
                    "(default) or unrolled (faster on a TPU, slower to compile)")  # fmt: skip
+    g.add_argument("--kernel", choices=KERNELS, help="attention's compute: jnp, pallas (splash; "
+                   "interpreted off a TPU) or auto (pallas on a TPU; the default)")  # fmt: skip
     g.add_argument("--pp", choices=PP_MODES, help="pipeline schedule over the stage axis "
                    "(needs stage > 1 in --mesh)")  # fmt: skip
     g.add_argument("--microbatches", type=int, metavar="M",
@@ -192,13 +192,12 @@ def model_config(
     return config.model_config(overrides, args.variant, defaults, head_zeroinit)
 
 
-def _with_layers(cases: list[Any], layers: str | None) -> list[Any]:
-    """The matrix's cases with ``--layers`` (when given) in every plan."""
-    if layers is None:
-        return cases
+def _with_layers(cases: list[Any], args: argparse.Namespace) -> list[Any]:
+    """The matrix's cases with ``--layers`` and ``--kernel`` (those given) in every plan."""
     import dataclasses
 
-    return [dataclasses.replace(c, plan=dataclasses.replace(c.plan, layers=layers)) for c in cases]
+    given = {k: v for k, v in (("layers", args.layers), ("kernel", args.kernel)) if v}
+    return [dataclasses.replace(c, plan=dataclasses.replace(c.plan, **given)) for c in cases]
 
 
 def _plan_given(args: argparse.Namespace) -> bool:
@@ -218,6 +217,7 @@ def plan_from_args(args: argparse.Namespace) -> Any:
         zero=args.zero or 0,
         remat=args.remat or "none",
         layers=args.layers or "scan",
+        kernel=args.kernel or "auto",
         pp=args.pp or "none",
         microbatches=1 if args.microbatches is None else args.microbatches,
         virtual=1 if args.virtual is None else args.virtual,
@@ -274,7 +274,7 @@ def run_verify(args: argparse.Namespace) -> int:
     if _plan_given(args):
         cases = [verify.Case("custom", plan_from_args(args))]
     else:
-        cases = _with_layers(verify.default_matrix(args.devices), args.layers)
+        cases = _with_layers(verify.default_matrix(args.devices), args)
     models = verify.prepare(cfg, cases, args.batch)  # every plan checked before anything runs
     if _plan_given(args):
         _note(cfg, cases[0].plan)
@@ -402,7 +402,7 @@ def _bench_cases(args: argparse.Namespace) -> list[Any]:
         if args.strategies:
             raise UsageError("give either --strategies or plan options (--mesh ...), not both.")
         return [Case("custom", plan_from_args(args))]
-    cases = _with_layers(bench.strategies(args.devices), args.layers)
+    cases = _with_layers(bench.strategies(args.devices), args)
     chosen = _chosen(args.strategies, {case.name: case for case in cases})
     return list(chosen.values())
 
@@ -480,7 +480,8 @@ def _run_chip_bench(args: argparse.Namespace) -> int:
         args.variant, args.dtype = "B/16", args.dtype or "bfloat16"
     cfg = model_config(args, head_zeroinit=False)
     result = throughput.run(cfg, batches, remats, steps=args.steps, warmup=args.warmup,
-                            progress=_progress, layers=args.layers or "scan")  # fmt: skip
+                            progress=_progress, layers=args.layers or "scan",
+                            kernel=args.kernel or "auto")  # fmt: skip
     if args.plot:
         throughput.plot(result, args.plot)
     print(json.dumps(result) if args.json else throughput.format_table(result))
@@ -516,8 +517,6 @@ VIT_ONLY = (*MODEL_FLAGS, "variant", "pool", "posemb", "dtype", "precision", "ul
             "layers", "pp", "microbatches", "virtual", "hlo", "plot", "target",
             "resume", "checkpoint_every", "keep", "eval_every", "cache", "data", "chip",
             "batches", "remats")  # fmt: skip
-
-
 LM_ONLY = ("--experts", "--top-k", "--capacity-factor", "--documents")
 
 
@@ -538,9 +537,10 @@ def run_lm(args: argparse.Namespace) -> int:
     cfg = lm.config(args.model, args.experts, args.top_k, args.capacity_factor, args.documents)
     batch = args.batch or LM_BATCH * (2 if args.command != "train" else 1)
     given_plan = args.mesh or args.sp or args.fsdp or args.remat
-    plan = lm.plan(args.mesh or f"data={args.devices}", args.sp, args.fsdp, args.remat or "none")
+    kernel, mesh = args.kernel or "auto", args.mesh or f"data={args.devices}"
+    plan = lm.plan(mesh, args.sp, args.fsdp, args.remat or "none", kernel)
     if args.command == "verify":
-        plans = {"custom": plan} if given_plan else lm.default_plans(cfg)
+        plans = {"custom": plan} if given_plan else lm.default_plans(cfg, kernel)
         return 0 if lm.verify(cfg, plans, batch, as_json=args.json) else 1
     if args.command == "inspect":
         print(lm.inspect(cfg, plan, batch, as_json=args.json))

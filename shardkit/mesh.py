@@ -38,6 +38,7 @@ ZERO_LEVELS = (0, 1, 2, 3)  # none, optimizer state, + gradients, + params (FSDP
 # batched products, recomputed), or only its input ("full": the whole block recomputed).
 REMAT_POLICIES = ("none", "dots", "full")
 LAYER_LOOPS = ("scan", "unrolled")
+KERNELS = ("auto", "jnp", "pallas")  # attention's compute: shardkit.kernels
 
 
 class PlanError(ValueError):
@@ -214,6 +215,9 @@ class Plan:
         interleaved or zb (ZB-H1); needs stage > 1, and stage > 1 needs one.
       microbatches: M, the pipeline's microbatches per data-local batch (1 without a pipeline).
       virtual: V, layer chunks per stage (``interleaved`` only).
+      kernel: attention's per-device compute (``KERNELS``): "jnp", "pallas" (JAX's splash
+        kernels, ``shardkit.kernels``; Pallas' interpreter off a TPU) or "auto" (Pallas on a
+        TPU backend, else jnp). It moves no bytes.
     """
 
     mesh: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(AXES, 1))
@@ -226,6 +230,7 @@ class Plan:
     pp: str = "none"
     microbatches: int = 1
     virtual: int = 1
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         full = {**dict.fromkeys(AXES, 1), **self.mesh}
@@ -254,6 +259,8 @@ class Plan:
             raise PlanError(
                 f"Unknown layers {self.layers!r}; choose one of {', '.join(LAYER_LOOPS)}."
             )
+        if self.kernel not in KERNELS:
+            raise PlanError(f"Unknown kernel {self.kernel!r}; choose one of {', '.join(KERNELS)}.")
         if self.zero not in ZERO_LEVELS:
             raise PlanError(f"--zero must be one of 0, 1, 2, 3, got {self.zero!r}.")
         if self.fsdp and self.zero not in (0, 3):

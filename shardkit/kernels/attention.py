@@ -32,11 +32,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import config as _jax_config  # the shard_map type check's switch (see _run)
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 from jaxtyping import Array
 
-from jax._src import config as _jax_config  # isort: skip  (the shard_map type check; see _run)
+from shardkit.mesh import KERNELS
 
 __all__ = [
     "KERNELS",
@@ -51,7 +52,6 @@ __all__ = [
     "resolve_kernel",
 ]
 
-KERNELS = ("auto", "jnp", "pallas")
 MASK_VALUE = float(np.float32(-0.7 * float(np.finfo(np.float32).max)))  # splash's and ours
 LANES = 128  # tokens are padded to whole blocks of this
 MAX_RUNS = 8  # most runs of evenly spaced positions a block may have

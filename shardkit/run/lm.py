@@ -77,8 +77,11 @@ def config(
         raise PlanError(str(err)) from None
 
 
-def plan(mesh: str, sp: str | None, fsdp: bool, remat: str = "none") -> gpt.GPTPlan:
-    """A plan from ``--mesh``, ``--sp`` (none, ring, ulysses), ``--fsdp`` and ``--remat``."""
+def plan(
+    mesh: str, sp: str | None, fsdp: bool, remat: str = "none", kernel: str = "auto"
+) -> gpt.GPTPlan:
+    """A plan from ``--mesh``, ``--sp`` (none, ring, ulysses), ``--fsdp``, ``--remat`` and
+    ``--kernel``."""
     shape = parse_mesh(mesh)
     sp = sp or ("ring" if shape["seq"] > 1 else "none")
     if sp not in SP_CORES:
@@ -86,12 +89,14 @@ def plan(mesh: str, sp: str | None, fsdp: bool, remat: str = "none") -> gpt.GPTP
     if sp == "none" and shape["seq"] > 1:
         raise PlanError(f"The mesh has seq={shape['seq']}; give --sp ring or ulysses.")
     core, layout = SP_CORES[sp]
-    return gpt.GPTPlan(shape, layout if shape["seq"] > 1 else "contiguous", core, fsdp, remat)
+    layout = layout if shape["seq"] > 1 else "contiguous"
+    return gpt.GPTPlan(shape, layout, core, fsdp, remat, kernel)
 
 
-def default_plans(cfg: gpt.GPTConfig) -> dict[str, gpt.GPTPlan]:
+def default_plans(cfg: gpt.GPTConfig, kernel: str = "auto") -> dict[str, gpt.GPTPlan]:
+    """``verify``'s plans for the dense or the MoE decoder, attention on ``kernel``."""
     table = PLANS if cfg.experts is None else MOE_PLANS
-    return {name: plan(*row) for name, row in table.items()}
+    return {name: plan(*row, kernel=kernel) for name, row in table.items()}
 
 
 def build(cfg: gpt.GPTConfig, p: gpt.GPTPlan, batch: int) -> ShardedModel:

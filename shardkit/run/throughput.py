@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import vit_ref
+from shardkit import kernels
 from shardkit.mesh import Plan
 from shardkit.models.vit import ShardedViT
 from shardkit.run.bench import matmul_peak, model_flops
@@ -51,6 +52,7 @@ class Row:
     batch: int
     remat: str
     layers: str = "scan"
+    kernel: str = "jnp"  # the sharded ViT's attention kernel (resolved; vit_ref: its own core)
     step_s: float | None = None
     images_per_s: float | None = None
     back_to_back_images_per_s: float | None = None
@@ -76,7 +78,7 @@ def _inputs(cfg: vit_ref.ViTConfig, batch: int) -> tuple[jax.Array, jax.Array]:
 
 
 def _step_and_args(
-    who: str, cfg: vit_ref.ViTConfig, batch: int, remat: str, layers: str
+    who: str, cfg: vit_ref.ViTConfig, batch: int, remat: str, layers: str, kernel: str = "auto"
 ) -> tuple[Any, tuple[Any, ...]]:
     """(jitted step, its arguments on the device) for ``who`` in ``MODELS``."""
     params = vit_ref.init(jax.random.key(0), cfg)
@@ -86,7 +88,7 @@ def _step_and_args(
         state = jax.jit(optimizer.init)(params)
         step = vit_ref.make_train_step(cfg, optimizer, remat, layers)
         return step, (params, state, images, labels)
-    model = ShardedViT(cfg, Plan({"data": 1}, remat=remat, layers=layers))
+    model = ShardedViT(cfg, Plan({"data": 1}, remat=remat, layers=layers, kernel=kernel))
     placed = model.shard(params)
     state = model.init_opt_state(optimizer, placed)
     return model.train_step(optimizer), (placed, state, *model.shard_batch(images, labels))
@@ -139,11 +141,13 @@ def measure(
     steps: int,
     warmup: int,
     peak: float,
+    kernel: str = "auto",
 ) -> Row:
     """One row: compile, memory, timed steps (the module docstring says how)."""
-    row = Row(who, batch, remat, layers)
+    used = kernels.resolve_kernel(kernel) if who == "shardkit" else "jnp"  # vit_ref's own core
+    row = Row(who, batch, remat, layers, used)
     try:
-        step, args = _step_and_args(who, cfg, batch, remat, layers)
+        step, args = _step_and_args(who, cfg, batch, remat, layers, kernel)
         timing = time_step(step, args, steps, warmup)
     except (jax.errors.JaxRuntimeError, RuntimeError, MemoryError) as err:  # e.g. out of memory
         row.error = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
@@ -169,16 +173,17 @@ def run(
     warmup: int = 2,
     progress: Callable[[str], None] = lambda _: None,
     layers: str = "scan",
+    kernel: str = "auto",
 ) -> dict[str, Any]:
-    """Every (batch, remat, model) row at ``layers``; ``{"rows": [...], ...}`` (``bench --chip
-    --json``)."""
+    """Every (batch, remat, model) row at ``layers`` (the sharded ViT's attention on
+    ``kernel``); ``{"rows": [...], ...}`` (``bench --chip --json``)."""
     kind, peak, source = chip_peak()
     rows = []
     for batch in batches:
         for remat in remats:
             for who in models:
                 progress(f"{who} batch {batch} remat={remat} layers={layers}")
-                rows.append(measure(who, cfg, batch, remat, layers, steps, warmup, peak))
+                rows.append(measure(who, cfg, batch, remat, layers, steps, warmup, peak, kernel))
     return {
         "model": dataclasses.asdict(cfg),
         "device_kind": kind,
@@ -198,7 +203,8 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [f"{result['device_kind']}: peak {result['peak_flops_per_s'] / 1e12:.0f} TFLOP/s "
              f"({result['peak_source']})", head]  # fmt: skip
     for r in result["rows"]:
-        start = f"{r['model']:<18}{r['batch']:>6} {r['remat']:<6}{r['layers']:<9}"
+        name = r["model"] + (f" ({r['kernel']})" if r["model"] == "shardkit" else "")
+        start = f"{name:<18}{r['batch']:>6} {r['remat']:<6}{r['layers']:<9}"
         if r["error"]:
             lines.append(start + f"  failed: {r['error']}")
             continue

@@ -24,6 +24,7 @@ from shardkit.comm import contract
 from shardkit.models import gpt
 from shardkit.parallel import lm, moe
 from shardkit.parallel.sequence import layouts
+from shardkit.run import lm as run_lm
 
 BATCH = 8
 
@@ -139,3 +140,15 @@ def test_the_document_mask_changes_the_loss():
     x, y, seg, _ = gpt.windows(np.random.default_rng(0), 8, cfg.tokens, True)
     masked = gpt.twin_loss(params, x, y, cfg, seg=seg)
     assert abs(float(masked) - float(gpt.twin_loss(params, x, y, cfg))) > 1e-3
+
+
+def test_the_pallas_kernel_matches_the_twin():
+    """Packed documents (segment ids into the kernel) on a zigzag ring × TP, attention on
+    splash (Pallas' interpreter here): equal to the twin, and a Pallas kernel does run."""
+    cfg = gpt.GPTConfig(documents=True)
+    plan = run_lm.plan("seq=2,model=2", "ring", False, kernel="pallas")
+    case = run_lm.verify_case(cfg, "pallas", plan, BATCH)
+    assert case["ok"], case
+    model, params = run_lm.build(cfg, plan, BATCH), gpt.init(0, cfg)
+    data = run_lm.ordered(plan, *run_lm.sample(cfg, BATCH))
+    assert "pallas_call" in str(jax.make_jaxpr(model.loss_and_grads)(model.shard(params), *data))

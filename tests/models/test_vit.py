@@ -104,14 +104,17 @@ def results(params: dict, images: Any, labels: Any, cfg: vit_ref.ViTConfig) -> d
     return run(params, images, labels)
 
 
+PLAN_FIELDS = [f.name for f in dataclasses.fields(Plan) if f.name != "mesh"]
+
+
 def plan_key(plan: Plan) -> tuple:
-    return (tuple(plan.mesh.items()), plan.sp, plan.ulysses, plan.zero, plan.remat, plan.layers)
+    """A hashable plan (its mesh is a dict): the mesh's items, then every other field."""
+    return (tuple(plan.mesh.items()), *(getattr(plan, name) for name in PLAN_FIELDS))
 
 
 @functools.lru_cache(maxsize=16)  # bounded: see fast_compile
 def _model(cfg: vit_ref.ViTConfig, key: tuple) -> tuple[ShardedViT, Any]:
-    mesh, sp, ulysses, zero, remat, layers = key
-    plan = Plan(dict(mesh), sp=sp, ulysses=ulysses, zero=zero, remat=remat, layers=layers)
+    plan = Plan(dict(key[0]), **dict(zip(PLAN_FIELDS, key[1:], strict=True)))
     model = ShardedViT(cfg, plan)
     optimizer = verify.verify_optimizer()
     step = model.train_step(optimizer)
@@ -209,6 +212,22 @@ SP_EXAMPLES = {
 @example(case=SP_EXAMPLES["megatron ulysses"])
 def test_sequence_parallel_meshes_match_reference(case: Case) -> None:
     check_equal_to_reference(case)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [Plan({"data": 2, "model": 2}, kernel="pallas"),
+     Plan({"data": 2, "seq": 2}, sp="ring", kernel="pallas")],
+    ids=["local core", "ring"],
+)  # fmt: skip
+def test_the_pallas_kernel_matches_reference(plan: Plan) -> None:
+    """Attention on splash (Pallas' interpreter here) inside the ViT: equal to vit_ref, and
+    the program does run a Pallas kernel."""
+    cfg = vit(heads=4, pool="gap")
+    check_equal_to_reference((cfg, plan, 2))
+    model, _ = sharded_model(cfg, plan)
+    images, _ = model.shard_batch(*batch_for(cfg, 2))
+    assert "pallas_call" in str(jax.make_jaxpr(model.forward)(model.shard(params_for(cfg)), images))
 
 
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])

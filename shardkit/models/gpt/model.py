@@ -32,7 +32,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import moe_ref
-from shardkit.mesh import AXES, PlanError, format_mesh
+from shardkit.mesh import AXES, KERNELS, PlanError, format_mesh
 from shardkit.models.sharded import ShardedModel
 from shardkit.parallel import lm, moe, remat, sequence, tensor
 from shardkit.parallel.sequence import layouts
@@ -74,14 +74,15 @@ def moe_config(experts: moe.MoE, **dims: Any) -> GPTConfig:
 @dataclasses.dataclass(frozen=True)
 class GPTPlan:
     """How the decoder is split: the mesh, the token layout over seq, the attention core over
-    seq (``"ring"`` or ``"ulysses"``), FSDP over data, and what the blocks' backward
-    recomputes (``remat``: a ``parallel.remat`` policy)."""
+    seq (``"ring"`` or ``"ulysses"``), FSDP over data, what the blocks' backward recomputes
+    (``remat``: a ``parallel.remat`` policy) and attention's kernel (``mesh.KERNELS``)."""
 
     mesh: dict[str, int]
     layout: str = "contiguous"
     core: str = "ring"
     fsdp: bool = False
     remat: str = "none"
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mesh", {**dict.fromkeys(AXES, 1), **self.mesh})
@@ -92,6 +93,7 @@ class GPTPlan:
             (f", {self.core} {self.layout}" if self.mesh["seq"] > 1 else "")
             + (", FSDP" if self.fsdp else "")
             + (f", remat {self.remat}" if self.remat != "none" else "")
+            + (f", {self.kernel} kernel" if self.kernel != "auto" else "")
         )
         return format_mesh(self.mesh) + extra
 
@@ -104,6 +106,8 @@ def check_plan(cfg: GPTConfig, plan: GPTPlan, batch: int) -> None:
     checks = [
         (stage > 1, f"The GPT runs no pipeline, but the mesh has stage={stage}"),
         (plan.core not in CORES, f"The core must be one of {CORES}, got {plan.core!r}"),
+        (plan.kernel not in KERNELS,
+         f"The kernel must be one of {', '.join(KERNELS)}, got {plan.kernel!r}"),
         (plan.remat not in remat.POLICIES,
          f"remat must be one of {', '.join(remat.POLICIES)}, got {plan.remat!r}"),
         (ep > 1 and not experts, f"The mesh has expert={ep} but the GPT has no experts"),
@@ -277,7 +281,7 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
 
     def causal_core(seg):  # over seq on local heads; GQA K/V blocks stay h_kv-headed
         return lambda q, k, v: attend(q, k, v, causal=True, layout=plan.layout,
-                                      segment_ids=seg)[0]  # fmt: skip
+                                      segment_ids=seg, kernel=plan.kernel)[0]  # fmt: skip
 
     def mlp(z, m):  # SwiGLU over model, or the experts: (out, aux losses' share, counts)
         if cfg.experts is None:

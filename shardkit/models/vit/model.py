@@ -59,6 +59,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
 import vit_ref
+from shardkit import kernels
 from shardkit.mesh import Plan, format_mesh, make_mesh
 from shardkit.models import sharded, staged
 from shardkit.models.vit.plan import (
@@ -102,6 +103,7 @@ class Layout:
       attention: "local", "ring", "ulysses" or "usp": the core run on local heads.
       num_tokens: true token count t; padded_tokens: t rounded up to the shard count.
       split: the plan's token-split decision these are read from (``plan.token_split``).
+      kernel: the attention core's compute, resolved for this backend: "jnp" or "pallas".
     """
 
     mesh: Mesh
@@ -110,6 +112,7 @@ class Layout:
     num_tokens: int
     padded_tokens: int
     split: TokenSplit
+    kernel: str = "jnp"
 
     @property
     def token_shards(self) -> int:
@@ -137,7 +140,8 @@ def make_layout(cfg: vit_ref.ViTConfig, plan: Plan, devices: Any = None) -> Layo
     if split.attention == "usp":
         mesh = sp.usp_mesh(mesh, split.ulysses)
     padded = split.padded_tokens(cfg.num_tokens)
-    return Layout(mesh, split.token_axes, split.attention, cfg.num_tokens, padded, split)
+    kernel = kernels.resolve_kernel(plan.kernel)
+    return Layout(mesh, split.token_axes, split.attention, cfg.num_tokens, padded, split, kernel)
 
 
 # ----------------------------------------------------------------------------- per device
@@ -171,6 +175,8 @@ def _attention_core(cfg: vit_ref.ViTConfig, lay: Layout, key_valid: Array | None
     ``key_valid`` is the local attention's mask (Megatron-SP: over all tokens, built locally).
     The sequence-parallel cores mask padding by position (``num_valid``): nothing is sent.
     """
+    if lay.attention == "local" and lay.kernel == "pallas":
+        return lambda q, k, v: sp.attention_local(q, k, v, key_valid, kernel="pallas")[0]
     if lay.attention == "local":  # the reference's core: the same numerics, the same speed
         mask = None if key_valid is None else key_valid[None]
         return lambda q, k, v: ref.attention_core(q, k, v, mask, ref.softmax_dtype(cfg))
@@ -182,7 +188,7 @@ def _attention_core(cfg: vit_ref.ViTConfig, lay: Layout, key_valid: Array | None
             sp.attention_usp, ulysses_axis=sp.SEQ_ULYSSES, ring_axis=sp.SEQ_RING
         ),
     }
-    core = functools.partial(cores[lay.attention], num_valid=num_valid)
+    core = functools.partial(cores[lay.attention], num_valid=num_valid, kernel=lay.kernel)
     return lambda q, k, v: core(q, k, v, None)[0]
 
 
@@ -368,9 +374,11 @@ class ShardedViT(sharded.ShardedModel):
                 f"virtual={self.plan.virtual}"
             )
         )
+        kernel = "" if self.plan.kernel == "auto" else f", kernel={self.plan.kernel}"
         return (
             f"ShardedViT(mesh={format_mesh(self.plan.mesh)}, sp={self.plan.sp!r}, "
-            f"zero={self.plan.zero}, remat={self.plan.remat}, layers={self.plan.layers}{pp})"
+            f"zero={self.plan.zero}, remat={self.plan.remat}, layers={self.plan.layers}{pp}"
+            f"{kernel})"
         )
 
     @property
