@@ -6,6 +6,7 @@ timed calls after a warm-up. TFLOP/s counts 14·b·h·T²·d per step (forward 4
 halved when causal. Memory: the compiled step's temp bytes (``memory_analysis``).
 
     python docs/measure/tpu_attention.py [--tokens 4096,8192] [--blocks 512,1024] [--jnp]
+    python docs/measure/tpu_attention.py --crossover --tokens 256,512,1024,2048,4096
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import PartitionSpec as P
 
 import shardkit.kernels.attention as kernel_lib
-from shardkit.parallel.sequence import attention_ring
+from shardkit.parallel.sequence import attention_local, attention_ring
 
 B, H, D = 1, 8, 128
 
@@ -55,6 +56,27 @@ def splash_step(t: int, causal: bool, block: int):
     return run
 
 
+def local_step(kernel: str, causal: bool):
+    """The local core (``attention_local``): jnp is XLA's fused softmax attention."""
+    return lambda q, k, v: attention_local(q, k, v, causal=causal, kernel=kernel)[0]
+
+
+def crossover(opts: argparse.Namespace) -> list[dict]:
+    """The local core on each kernel at ViT-like shapes (b 8, 12 heads × 64) per length."""
+    rows = []
+    for t in map(int, opts.tokens.split(",")):
+        keys = jax.random.split(jax.random.key(t), 4)
+        args = [jax.random.normal(key, (8, t, 12, 64), jnp.bfloat16) for key in keys]
+        for causal in (False, True):
+            for kernel in ("jnp", "pallas"):
+                result = measure(local_step(kernel, causal), args, opts.reps)
+                result.pop("out")
+                row = {"tokens": t, "causal": causal, "contender": f"local {kernel}", **result}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
 def measure(fn, args, reps: int) -> dict:
     q, k, v, do = args
 
@@ -79,8 +101,13 @@ def main() -> None:
     parser.add_argument("--blocks", default="512,1024")
     parser.add_argument("--jnp", action="store_true", help="also the jnp kernel (slow)")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--crossover", action="store_true", help="the local core, jnp vs pallas")
     opts = parser.parse_args()
     out_dir = os.environ.get("OUT", "/tmp/out")
+    if opts.crossover:
+        with open(os.path.join(out_dir, "tpu_attention_crossover.json"), "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "rows": crossover(opts)}, f)
+        return
     rows = []
     for t in map(int, opts.tokens.split(",")):
         keys = jax.random.split(jax.random.key(t), 4)

@@ -60,12 +60,19 @@ FULL, NONE = "full", "none"
 Entry = int | str  # per pair of runs: FULL, NONE, or o: query i sees key j iff i + o ≥ j
 
 
-def resolve_kernel(kernel: str) -> str:
-    """ "jnp" or "pallas" for a plan's ``kernel``: "auto" is Pallas on a TPU backend, else jnp."""
+AUTO_MIN_KEYS = 1024  # "auto" runs Pallas from this many keys per block on (v5e crossover)
+
+
+def resolve_kernel(kernel: str, keys: int | None = None) -> str:
+    """The kernel ("jnp" or "pallas") a plan's ``kernel`` runs. "auto" is Pallas on a TPU
+    backend for blocks of at least ``AUTO_MIN_KEYS`` keys (``keys``; None: any), else jnp: on
+    a v5e, XLA's fused attention is faster up to 512 keys (1.4× at 256) and Pallas from 1,024
+    (2.2× there, 3-4× at 4,096 in a tenth of the memory; docs/strategies/kernels.md)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}.")
     if kernel == "auto":
-        return "pallas" if jax.default_backend() == "tpu" else "jnp"
+        long_enough = keys is None or keys >= AUTO_MIN_KEYS
+        return "pallas" if jax.default_backend() == "tpu" and long_enough else "jnp"
     return kernel
 
 

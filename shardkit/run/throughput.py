@@ -144,7 +144,7 @@ def measure(
     kernel: str = "auto",
 ) -> Row:
     """One row: compile, memory, timed steps (the module docstring says how)."""
-    used = kernels.resolve_kernel(kernel) if who == "shardkit" else "jnp"  # vit_ref's own core
+    used = kernels.resolve_kernel(kernel, cfg.num_tokens) if who == "shardkit" else "jnp"
     row = Row(who, batch, remat, layers, used)
     try:
         step, args = _step_and_args(who, cfg, batch, remat, layers, kernel)

@@ -51,10 +51,13 @@ def test_positions_without_even_runs_are_refused() -> None:
         kernels.hop_masks(shuffled)
 
 
-def test_kernel_names() -> None:
-    assert kernels.resolve_kernel("auto") == "jnp"  # CPU
-    assert kernels.resolve_kernel("pallas") == "pallas"
-    with pytest.raises(ValueError, match="kernel must be one of auto, jnp, pallas; got 'cuda'"):
+def test_kernel_names(monkeypatch) -> None:
+    assert kernels.resolve_kernel("auto", 4096) == "jnp"  # CPU
+    assert kernels.resolve_kernel("pallas", 16) == "pallas"
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # auto on a TPU: by length
+    assert kernels.resolve_kernel("auto", 512) == "jnp"
+    assert kernels.resolve_kernel("auto", 1024) == kernels.resolve_kernel("auto") == "pallas"
+    with pytest.raises(ValueError, match="kernel must be one of auto, jnp, pallas; got .cuda."):
         kernels.resolve_kernel("cuda")
 
 

@@ -103,7 +103,7 @@ class Layout:
       attention: "local", "ring", "ulysses" or "usp": the core run on local heads.
       num_tokens: true token count t; padded_tokens: t rounded up to the shard count.
       split: the plan's token-split decision these are read from (``plan.token_split``).
-      kernel: the attention core's compute, resolved for this backend: "jnp" or "pallas".
+      kernel: the plan's attention kernel ("auto", "jnp" or "pallas"; ``shardkit.kernels``).
     """
 
     mesh: Mesh
@@ -112,7 +112,7 @@ class Layout:
     num_tokens: int
     padded_tokens: int
     split: TokenSplit
-    kernel: str = "jnp"
+    kernel: str = "auto"
 
     @property
     def token_shards(self) -> int:
@@ -140,8 +140,9 @@ def make_layout(cfg: vit_ref.ViTConfig, plan: Plan, devices: Any = None) -> Layo
     if split.attention == "usp":
         mesh = sp.usp_mesh(mesh, split.ulysses)
     padded = split.padded_tokens(cfg.num_tokens)
-    kernel = kernels.resolve_kernel(plan.kernel)
-    return Layout(mesh, split.token_axes, split.attention, cfg.num_tokens, padded, split, kernel)
+    return Layout(
+        mesh, split.token_axes, split.attention, cfg.num_tokens, padded, split, plan.kernel
+    )
 
 
 # ----------------------------------------------------------------------------- per device
@@ -175,9 +176,10 @@ def _attention_core(cfg: vit_ref.ViTConfig, lay: Layout, key_valid: Array | None
     ``key_valid`` is the local attention's mask (Megatron-SP: over all tokens, built locally).
     The sequence-parallel cores mask padding by position (``num_valid``): nothing is sent.
     """
-    if lay.attention == "local" and lay.kernel == "pallas":
+    local = lay.attention == "local"
+    if local and kernels.resolve_kernel(lay.kernel, lay.padded_tokens) == "pallas":
         return lambda q, k, v: sp.attention_local(q, k, v, key_valid, kernel="pallas")[0]
-    if lay.attention == "local":  # the reference's core: the same numerics, the same speed
+    if local:  # the reference's core: the same numerics, the same speed
         mask = None if key_valid is None else key_valid[None]
         return lambda q, k, v: ref.attention_core(q, k, v, mask, ref.softmax_dtype(cfg))
     num_valid = lay.num_tokens if lay.padded else None

@@ -463,7 +463,7 @@ def attention_local(
       log-sum-exp of its logits, lse [b, h, t] (MASK_VALUE for a query with no valid key).
     """
     _check_blocks(q, k, v, key_valid, segment_ids)
-    if kernels.resolve_kernel(kernel) == "pallas":
+    if kernels.resolve_kernel(kernel, k.shape[1]) == "pallas":
         hop = kernels.local_mask(q.shape[1], k.shape[1], causal)
         return kernels.attend(q, k, v, hop, segment_ids, segment_ids, key_valid, None)
     q_pos, key_pos = (jnp.arange(x.shape[1]) if causal else None for x in (q, k))

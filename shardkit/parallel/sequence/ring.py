@@ -385,7 +385,7 @@ def attention_ring(
     _check_ring(q, k, v, key_valid, num_valid, causal, segment_ids)
     chunk = _tiles(k.shape[1], key_chunk, causal, layout, 1)[0]
     masks = (key_valid, segment_ids)
-    hops = _Hops(layout, 1, kernels.resolve_kernel(kernel))
+    hops = _Hops(layout, 1, kernels.resolve_kernel(kernel, k.shape[1]))
     return _ring(q, k, v, masks, axis, chunk, num_valid, causal, hops)
 
 
@@ -408,7 +408,7 @@ def _attention_ring_grouped(
     _check_ring(q, k, v, key_valid, num_valid, causal, segment_ids)
     chunk = _tiles(k.shape[1], key_chunk, causal, layout, group)[0]
     masks = (key_valid, segment_ids)
-    hops = _Hops(layout, group, kernels.resolve_kernel(kernel))
+    hops = _Hops(layout, group, kernels.resolve_kernel(kernel, k.shape[1]))
     return _ring(q, k, v, masks, axis, chunk, num_valid, causal, hops)
 
 

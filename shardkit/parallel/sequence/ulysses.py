@@ -168,7 +168,7 @@ def attention_ulysses(
         n, s = jax.lax.axis_size(axis), k.shape[1]
         pos = jnp.asarray(layouts.positions(layout, n, s // n).reshape(-1))
         valid = _and_valid(key_valid, _positions_valid(pos, num_valid, s))
-        if kernels.resolve_kernel(kernel) == "pallas":
+        if kernels.resolve_kernel(kernel, s) == "pallas":
             order = np.argsort(layouts.positions(layout, n, s // n).reshape(-1))
             return _ordered_kernel(q, k, v, valid, segs, order if causal else None)
         key_pos = pos if causal else None
