@@ -17,7 +17,8 @@ PACKAGE = ROOT / "shardkit"
 FORBIDDEN = {
     "mesh": ("parallel", "comm", "models", "run", "cli", "testing", "vit_ref"),
     "parallel": ("comm", "models", "run", "cli", "testing", "vit_ref"),
-    "comm": ("parallel", "models", "run", "cli", "testing", "vit_ref"),
+    "comm": ("parallel", "kernels", "models", "run", "cli", "testing", "vit_ref"),
+    "kernels": ("parallel", "comm", "models", "run", "cli", "testing", "vit_ref"),
     "models": ("run", "cli"),
     "run": ("cli",),
     "cli": ("models", "comm", "parallel", "vit_ref"),

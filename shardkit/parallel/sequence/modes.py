@@ -70,7 +70,8 @@ def _padded_inputs(
     return args, specs
 
 
-def _check_global(q: Array, k: Array, mesh: Mesh) -> None:
+def _check_global(q: Array, k: Array, mesh: Mesh, num_valid: int | None) -> None:
+    _check_num_valid(num_valid)
     model = mesh.shape["model"]
     if q.shape[0] % mesh.shape["data"] or q.shape[2] % model or k.shape[2] % model:
         raise PlanError(
@@ -106,8 +107,8 @@ def sharded_attention(
       mesh: a ``data × seq × model`` mesh from ``shardkit.mesh.make_mesh``.
       mode: "ring", "ulysses" or "usp" (the seq axis split by ``usp_mesh``).
       key_valid: optional bool [b, s], True for real keys (data: it travels).
-      ulysses: the Ulysses degree for "usp" (None: ``usp_factor`` picks it).
-      key_chunk: most keys per chunk in ring hops ("ring", "usp"; see ``attention_ring``).
+      ulysses: the Ulysses degree for "usp" (None: ``usp_factor`` picks it); key_chunk: most
+        keys per chunk in ring hops ("ring", "usp"; see ``attention_ring``).
       num_valid: keys at index ≥ num_valid are invalid, computed from positions (no
         communication). The padding added to reach a multiple of the seq axis size is always
         masked this way (num_valid at most s).
@@ -117,22 +118,19 @@ def sharded_attention(
         into it before ``shard_map`` and back after, so results are in sequence order.
       segment_ids: optional int [b, t] (t = s) for packed sequences: a query sees only the
         keys of its own segment (data: it travels like ``key_valid``).
-      kernel: each device's attention compute, "auto", "jnp" or "pallas" (see
-        ``attention_ring``); the bytes moved are the same.
+      kernel: the per-device compute, "auto", "jnp" or "pallas" (see ``attention_ring``).
 
     Returns:
       out [b, t, h, k] and float32 lse [b, h, t], as ``attention_local`` on the whole arrays.
-      A convenience for users and tests (slicing padded, seq-sharded results back makes XLA
-      gather them): models keep activations padded and call ``attention_*`` in their shard_map.
+      A convenience for users and tests (slicing padded, seq-sharded results makes XLA gather
+      them); models keep activations padded and call ``attention_*`` in their shard_map.
     """
-    _check_global(q, k, mesh)
-    _check_num_valid(num_valid)
+    _check_global(q, k, mesh, num_valid)
     n, s = mesh.shape["seq"], k.shape[1]
     mesh, seq, attn = _mode_plan(mesh, mode, q.shape[2], ulysses, key_chunk)
     given = dict(q=q, k=k, v=v, key_valid=key_valid, segment_ids=segment_ids)
     args, in_specs = _padded_inputs(given, n, seq, layout)
     num_valid = s if num_valid is None else min(num_valid, s)
-
     opts = dict(num_valid=num_valid, causal=causal, layout=layout, kernel=kernel)
 
     def body(a: dict[str, Array]) -> tuple:

@@ -8,6 +8,7 @@ masking rules: the package docstring (``shardkit.parallel.sequence``).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -160,22 +161,37 @@ def attention_ulysses(
       PlanError: (a ValueError) at trace time, when h is not divisible by n.
     """
     _check_num_valid(num_valid)
-
-    def local(
-        q: Array, k: Array, v: Array, key_valid: Array | None, segs: Array | None
-    ) -> tuple[Array, Array]:
-        # Every device now holds all s keys in device order: masks from positions alone.
-        n, s = jax.lax.axis_size(axis), k.shape[1]
-        pos = jnp.asarray(layouts.positions(layout, n, s // n).reshape(-1))
-        valid = _and_valid(key_valid, _positions_valid(pos, num_valid, s))
-        if kernels.resolve_kernel(kernel, s) == "pallas":
-            order = np.argsort(layouts.positions(layout, n, s // n).reshape(-1))
-            return _ordered_kernel(q, k, v, valid, segs, order if causal else None)
-        key_pos = pos if causal else None
-        mask = _mask(valid, _Queries(key_pos, segs), key_pos, segs)
-        return _finish(_block_stats(q, k, v, mask), q.dtype)
-
+    local = functools.partial(
+        _whole_sequence, axis=axis, num_valid=num_valid, causal=causal, layout=layout,
+        kernel=kernel,
+    )  # fmt: skip
     return _ulysses(q, k, v, key_valid, segment_ids, axis, local)
+
+
+def _whole_sequence(
+    q: Array,
+    k: Array,
+    v: Array,
+    key_valid: Array | None,
+    segs: Array | None,
+    *,
+    axis: str,
+    num_valid: int | None,
+    causal: bool,
+    layout: str,
+    kernel: str,
+) -> tuple[Array, Array]:
+    """Ulysses' local attention: every device holds all s keys in device order (h/n heads),
+    so the masks come from positions alone."""
+    n, s = jax.lax.axis_size(axis), k.shape[1]
+    pos = jnp.asarray(layouts.positions(layout, n, s // n).reshape(-1))
+    valid = _and_valid(key_valid, _positions_valid(pos, num_valid, s))
+    if kernels.resolve_kernel(kernel, s) == "pallas":
+        order = np.argsort(layouts.positions(layout, n, s // n).reshape(-1))
+        return _ordered_kernel(q, k, v, valid, segs, order if causal else None)
+    key_pos = pos if causal else None
+    mask = _mask(valid, _Queries(key_pos, segs), key_pos, segs)
+    return _finish(_block_stats(q, k, v, mask), q.dtype)
 
 
 def _ordered_kernel(
