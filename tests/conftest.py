@@ -38,7 +38,7 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("ci", max_examples=6, derandomize=True, print_blob=True, **_common)
+settings.register_profile("ci", max_examples=4, derandomize=True, print_blob=True, **_common)
 settings.register_profile("thorough", max_examples=100, print_blob=True, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 

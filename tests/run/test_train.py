@@ -183,12 +183,10 @@ def test_train_writes_run_and_repeats_bitwise(tmp_path, capsys) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "plan", [RING, ["--mesh", "data=8", "--fsdp"], ["--mesh", "data=4,model=2"]], ids=str
-)
-def test_defaults_reach_90_percent_on_digits(plan, tmp_path, capsys) -> None:
+def test_defaults_reach_90_percent_on_digits(tmp_path, capsys) -> None:
+    """On the 2×2×2 ring + TP plan (every other plan's step equals the reference's: above)."""
     out = tmp_path / "run"
-    assert cli.main(["train", *plan, "--out", str(out), "--cache", "none"]) == 0
+    assert cli.main(["train", *RING, "--out", str(out), "--cache", "none"]) == 0
     capsys.readouterr()
     last = records_of(out)[-1]
     assert last["step"] == train.TrainOptions().steps and last["test_accuracy"] >= 0.9, last
