@@ -207,9 +207,10 @@ def _block(n: int) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _kernel(
-    mask: HopMask, t: int, s: int, heads: int, mqa: bool, interpret: bool
+    mask: HopMask, t: int, s: int, group: int, interpret: bool
 ) -> splash.SplashAttentionKernel:
-    """The splash kernel (forward with lse; fused backward blocks) of one mask and shape."""
+    """The splash multi-query kernel (forward with lse; fused backward blocks) of one mask and
+    shape: ``group`` query heads against one key head (run per key head: GQA, MHA as g = 1)."""
     tp, sp = _padded(t), _padded(s)
     bq, bkv = _block(tp), _block(sp)
     sizes = splash.BlockSizes(
@@ -221,10 +222,9 @@ def _kernel(
         block_kv_dkv_compute=bkv,
         use_fused_bwd_kernel=True,
     )
-    make = splash.make_splash_mqa if mqa else splash.make_splash_mha
     with jax.ensure_compile_time_eval():  # concrete mask arrays: the cache outlives a trace
-        return make(
-            masks.MultiHeadMask([_splash_mask(mask, (tp, sp))] * heads),
+        return splash.make_splash_mqa(
+            masks.MultiHeadMask([_splash_mask(mask, (tp, sp))] * group),
             block_sizes=sizes,
             head_shards=1,
             q_seq_shards=1,
@@ -301,7 +301,7 @@ def block_attention(
     """
     (b, t, h, d), s, n = q.shape, k.shape[1], k.shape[2]
     tp, sp = _padded(t), _padded(s)
-    kernel = _kernel(mask, t, s, h // n, True, _interpret(interpret))
+    kernel = _kernel(mask, t, s, h // n, _interpret(interpret))
     qh = _to_heads(q * d**-0.5, n, tp)  # splash does not scale the logits
     seg = _segments(b, t, s, q_seg, kv_seg, key_valid)
 
@@ -336,7 +336,7 @@ def block_attention_grads(
     delta [b, h, t] over every block they attend (probabilities recomputed as exp(s − lse))."""
     (b, t, h, d), s, n = q.shape, k.shape[1], k.shape[2]
     tp, sp = _padded(t), _padded(s)
-    kernel = _kernel(mask, t, s, h // n, True, _interpret(interpret))
+    kernel = _kernel(mask, t, s, h // n, _interpret(interpret))
     scale = d**-0.5
     # A row with no key: p = exp(s − lse) must be 0, not exp(MASK − MASK) = 1.
     lse = jnp.where(lse > MASK_VALUE / 2, lse, np.finfo(np.float32).max)
