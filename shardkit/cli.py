@@ -80,10 +80,9 @@ def _add_plan_opts(p: argparse.ArgumentParser) -> None:
                    "interpreted off a TPU) or auto (pallas on a TPU; the default)")  # fmt: skip
     g.add_argument("--pp", choices=PP_MODES, help="pipeline schedule over the stage axis "
                    "(needs stage > 1 in --mesh)")  # fmt: skip
-    g.add_argument("--microbatches", type=int, metavar="M",
-                   help="pipeline microbatches per data shard (1)")  # fmt: skip
-    g.add_argument("--virtual", type=int, metavar="V",
-                   help="layer chunks per stage (--pp interleaved; 1)")  # fmt: skip
+    g.add_argument("--microbatches", type=int, metavar="M", help="per data shard (--pp; 1)")
+    g.add_argument("--virtual", type=int, metavar="V", help="chunks per stage (interleaved; 1)")
+    g.add_argument("--overlap", action="store_true", help="--sp megatron as collective matmuls")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -201,8 +200,8 @@ def _with_layers(cases: list[Any], args: argparse.Namespace) -> list[Any]:
 
 
 def _plan_given(args: argparse.Namespace) -> bool:
-    plan_flags = (args.mesh, args.sp, args.ulysses, args.fsdp, args.zero, args.remat, args.pp)
-    return any([*plan_flags, args.microbatches is not None, args.virtual is not None])
+    flags = ("mesh", "sp", "ulysses", "fsdp", "zero", "remat", "pp", "overlap")
+    return any(getattr(args, f) for f in flags) or {args.microbatches, args.virtual} != {None}
 
 
 def plan_from_args(args: argparse.Namespace) -> Any:
@@ -218,6 +217,7 @@ def plan_from_args(args: argparse.Namespace) -> Any:
         remat=args.remat or "none",
         layers=args.layers or "scan",
         kernel=args.kernel or "auto",
+        overlap=args.overlap,
         pp=args.pp or "none",
         microbatches=1 if args.microbatches is None else args.microbatches,
         virtual=1 if args.virtual is None else args.virtual,
@@ -514,7 +514,7 @@ def run_launch(args: argparse.Namespace) -> int:
 
 
 VIT_ONLY = (*MODEL_FLAGS, "variant", "pool", "posemb", "dtype", "precision", "ulysses", "zero",
-            "layers", "pp", "microbatches", "virtual", "hlo", "plot", "target",
+            "layers", "pp", "microbatches", "virtual", "overlap", "hlo", "plot", "target",
             "resume", "checkpoint_every", "keep", "eval_every", "cache", "data", "chip",
             "batches", "remats")  # fmt: skip
 LM_ONLY = ("--experts", "--top-k", "--capacity-factor", "--documents")

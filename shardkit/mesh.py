@@ -218,6 +218,9 @@ class Plan:
       kernel: attention's per-device compute (``KERNELS``): "jnp", "pallas" (JAX's splash
         kernels, ``shardkit.kernels``; Pallas' interpreter off a TPU) or "auto" (Pallas on a
         TPU backend, else jnp). It moves no bytes.
+      overlap: run Megatron-SP's all-gathers and reduce-scatters as collective matmuls
+        (``parallel.overlap``: ppermute rings a TPU schedules under the matmuls; the same
+        bytes in n − 1 steps). Needs sp="megatron"; not yet with remat or a pipeline.
     """
 
     mesh: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(AXES, 1))
@@ -231,6 +234,7 @@ class Plan:
     microbatches: int = 1
     virtual: int = 1
     kernel: str = "auto"
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         full = {**dict.fromkeys(AXES, 1), **self.mesh}
@@ -300,6 +304,12 @@ class Plan:
              "use --sp megatron, ring, ulysses or usp"),
             (sp == "megatron" and model == 1,
              "sp='megatron' splits tokens over the model axis, but the mesh has model=1"),
+            (self.overlap and sp != "megatron",
+             "--overlap runs Megatron-SP's all-gathers and reduce-scatters as collective "
+             "matmuls; it needs --sp megatron (TP, FSDP and DP overlap are not built yet)"),
+            (self.overlap and (self.recompute or not none),
+             "--overlap is not built yet with --remat or --pp (a recomputed or scheduled "
+             "collective matmul re-runs its ring, which the cost model does not state)"),
             (sp in ("ring", "ulysses", "usp") and seq == 1,
              f"sp={sp!r} splits tokens over the seq axis, but the mesh has seq=1"),
             (ulysses is not None and sp not in ("usp", "megatron"),

@@ -42,6 +42,16 @@ def assert_one_sentence(err: Exception) -> None:
         (lambda: Plan(pp="dualpipe"), "Unknown pipeline schedule 'dualpipe'; choose one of none"),
         (lambda: Plan(microbatches=0), "--microbatches must be a positive integer, got 0"),
         (lambda: Plan(virtual=-1), "--virtual must be a positive integer, got -1"),
+        (lambda: Plan(kernel="cuda"), "Unknown kernel 'cuda'; choose one of auto, jnp, pallas"),
+        (
+            lambda: Plan({"data": 2, "model": 2}, overlap=True),
+            "--overlap runs Megatron-SP's all-gathers and reduce-scatters as collective matmuls; "
+            "it needs --sp megatron",
+        ),
+        (
+            lambda: Plan({"model": 2}, sp="megatron", overlap=True, remat="dots"),
+            "--overlap is not built yet with --remat or --pp",
+        ),
         # The rules that need no model: the Plan checks them when it is built.
         (
             lambda: Plan({"seq": 2}),

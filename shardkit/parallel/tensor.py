@@ -20,6 +20,12 @@ Bias: a column-parallel bias is split like its output (``b[F_X]``); a row-parall
 whole (``b[D]``) and added once, after the reduction. Every bias is optional (Llama has none):
 a param dict without ``"bias"`` adds nothing.
 
+Overlap (``overlap=True``, Megatron-SP only): the entry's all-gather and the region's column
+matmuls become one ``overlap.ag_matmul`` (the column kernels concatenated), the row matmul and
+the exit's reduce-scatter one ``overlap.matmul_rs``: ring steps whose permutes a TPU schedules
+under the matmuls. The tokens travel in the compute dtype (the plain entry gathers the float32
+LayerNorm output); the bytes are otherwise the plain region's.
+
 Decoder blocks: ``attention_tp`` takes a ``rope`` hook (``lm.rope``: rotary embeddings at the
 tokens' GLOBAL positions) and ``kv_repeat`` (KV heads fewer than the TP degree: K / V weights
 kept whole, each device projects the one KV head its query heads share); ``gated_mlp_tp`` is
@@ -35,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from shardkit.parallel import overlap as ov
 from shardkit.parallel.collectives import (
     all_gather,
     axis_index,
@@ -63,6 +70,47 @@ def add_bias(y: Array, b: Array | None) -> Array:
 
 def _bias(p: Params, dtype: jnp.dtype | None) -> Array | None:
     return _cast(p["bias"], dtype) if "bias" in p else None
+
+
+def _overlapped(axis: str | None, token_dim: int | None, overlap: bool) -> bool:
+    """Whether this region runs as collective matmuls (``overlap`` needs Megatron-SP)."""
+    if overlap and token_dim != 1:
+        raise ValueError(
+            "overlap=True needs a sequence-parallel region (token_dim=1): only "
+            "Megatron-SP's all-gather and reduce-scatter run as collective matmuls."
+        )
+    return overlap and axis is not None
+
+
+def _columns_gathered(
+    x: Array, ps: list[Params], axis: str, dtype: jnp.dtype | None
+) -> list[Array]:
+    """``enter_tp(x, token_dim=1)`` and one column-parallel matmul per param dict, as ONE
+    ``ag_matmul``: x[B, T_X, D] · [W_1 | W_2 | ...][D, F] -> [y_1, y_2, ...] each [B, T, F_i]
+    (a kernel [D, ...] is flattened to [D, F_i]; the outputs keep its trailing shape)."""
+    b, t, d = x.shape
+    kernels = [_cast(p["kernel"], dtype) for p in ps]
+    w = jnp.concatenate([k.reshape(d, -1) for k in kernels], axis=1)
+    rows = jnp.swapaxes(_cast(x, dtype), 0, 1).reshape(t * b, d)  # token-major rows
+    y = ov.ag_matmul(rows, w, axis)  # [n·t·b, F]: device-major tokens, as the all-gather
+    y = jnp.swapaxes(y.reshape(-1, b, w.shape[1]), 0, 1)
+    splits = [int(k.size // d) for k in kernels]
+    outs = jnp.split(y, [sum(splits[:i]) for i in range(1, len(splits))], axis=2)
+    return [
+        add_bias(o.reshape(b, -1, *k.shape[1:]), _bias(p, dtype))
+        for o, k, p in zip(outs, kernels, ps, strict=True)
+    ]
+
+
+def _row_scattered(h: Array, p: Params, axis: str, dtype: jnp.dtype | None) -> Array:
+    """``dense_row`` + ``exit_tp(token_dim=1)`` as ONE ``matmul_rs``: h[B, T, ...F_X] ·
+    W[F_X, D] {U_X} -> y[B, T_X, D] + b[D]."""
+    b, t = h.shape[:2]
+    kernel = _cast(p["kernel"], dtype)
+    w = kernel.reshape(-1, kernel.shape[-1])
+    rows = jnp.swapaxes(_cast(h, dtype), 0, 1).reshape(t * b, w.shape[0])
+    y = ov.matmul_rs(rows, w, axis)  # [t/n · b, D]: this device's tokens
+    return add_bias(jnp.swapaxes(y.reshape(-1, b, w.shape[1]), 0, 1), _bias(p, dtype))
 
 
 @shard_map_primitive
@@ -130,6 +178,7 @@ def attention_tp(
     token_dim: int | None = None,
     rope: Rope | None = None,
     kv_repeat: bool = False,
+    overlap: bool = False,
 ) -> Float[Array, "b t d"]:
     """Self-attention with heads split over ``axis``.
 
@@ -161,19 +210,25 @@ def attention_tp(
         (h_kv < n, n a multiple of h_kv): device i projects only KV head i·h_kv/n, the one its
         h/n query heads use (no K / V activation is repeated or sent). Their gradients are
         partial per device and summed over ``axis`` like any replicated weight's.
+      overlap: Megatron-SP's entry and exit as collective matmuls (the module docstring).
 
     Returns:
       [b, t, d] (or [b, t/n, d] with ``token_dim``), invariant over ``axis``.
     """
-    x = enter_tp(x, axis, token_dim=token_dim)
     kv = {name: p[name] for name in ("key", "value")}
     if kv_repeat:
         kv = {name: _kv_head_of_device(w, axis) for name, w in kv.items()}
-    q = dense_column(x, p["query"], "btd,dhk->bthk", dtype)
-    k, v = (dense_column(x, kv[name], "btd,dhk->bthk", dtype) for name in ("key", "value"))
+    projections = [p["query"], kv["key"], kv["value"]]
+    if _overlapped(axis, token_dim, overlap):
+        q, k, v = _columns_gathered(x, projections, axis, dtype)  # type: ignore[arg-type]
+    else:
+        x = enter_tp(x, axis, token_dim=token_dim)
+        q, k, v = (dense_column(x, w, "btd,dhk->bthk", dtype) for w in projections)
     if rope is not None:
         q, k = rope(q, k)
     o = core(q, k, v)
+    if _overlapped(axis, token_dim, overlap):
+        return _row_scattered(o, p["out"], axis, dtype)  # type: ignore[arg-type]
     return dense_row(o, p["out"], "bthk,hkd->btd", axis, dtype, token_dim=token_dim)
 
 
@@ -204,6 +259,7 @@ def mlp_tp(
     dtype: jnp.dtype | None = None,
     *,
     token_dim: int | None = None,
+    overlap: bool = False,
 ) -> Float[Array, "b t d"]:
     """Megatron MLP: ``x[B, T, D] · W1[D, F_X] -> act -> · W2[F_X, D] -> {U_X}`` -> reduced.
 
@@ -219,10 +275,14 @@ def mlp_tp(
       activation: elementwise, e.g. ``jax.nn.gelu`` (applied to the local hidden block).
       dtype: compute dtype of the matmuls (None: the params' dtype).
       token_dim: 1 for Megatron-SP.
+      overlap: Megatron-SP's entry and exit as collective matmuls (the module docstring).
 
     Returns:
       [b, t, d] (or [b, t/n, d] with ``token_dim``), invariant over ``axis``.
     """
+    if _overlapped(axis, token_dim, overlap):
+        (h,) = _columns_gathered(x, [p["fc1"]], axis, dtype)  # type: ignore[arg-type]
+        return _row_scattered(activation(h), p["fc2"], axis, dtype)  # type: ignore[arg-type]
     x = enter_tp(x, axis, token_dim=token_dim)
     h = activation(dense_column(x, p["fc1"], "btd,df->btf", dtype))
     return dense_row(h, p["fc2"], "btf,fd->btd", axis, dtype, token_dim=token_dim)

@@ -76,6 +76,12 @@ COMPOSITIONS = {
         Plan({"data": 2, "seq": 2, "model": 2}, sp="ring", fsdp=True, layers="unrolled"),
     ),
     "Megatron-SP unrolled": (CFG, Plan({"data": 2, "model": 4}, sp="megatron", layers="unrolled")),
+    # its regions as collective matmuls: rings of permutes in place of the gathers and scatters
+    "Megatron-SP overlap": (CFG, Plan({"data": 2, "model": 4}, sp="megatron", overlap=True)),
+    "Megatron-SP×ring overlap unrolled": (
+        CFG,
+        Plan({"data": 2, "seq": 2, "model": 2}, sp="megatron", overlap=True, layers="unrolled"),
+    ),
 }
 _REPORTS: dict[str, report.Report] = {}
 

@@ -192,6 +192,12 @@ SP_EXAMPLES = {
         Plan({"data": 2, "model": 4}, sp="megatron", fsdp=True),
         4,
     ),
+    # Megatron-SP's regions as collective matmuls, 17 tokens padded to 20 over model=4.
+    "megatron overlap": (
+        vit(image=16, heads=4, pool="tok"),
+        Plan({"data": 2, "model": 4}, sp="megatron", overlap=True),
+        2,
+    ),
     # Tokens over seq=2 × model=2 (5 -> 8: a shard of pure padding), a ring over seq inside.
     "megatron ring": (vit(pool="tok"), Plan({"seq": 2, "model": 2}, sp="megatron", remat=True), 2),
     # The same split with Ulysses over seq inside (heads 4 = model 2 × Ulysses 2), DP.
@@ -208,6 +214,7 @@ SP_EXAMPLES = {
 @example(case=SP_EXAMPLES["ulysses"])
 @example(case=SP_EXAMPLES["usp"])
 @example(case=SP_EXAMPLES["megatron"])
+@example(case=SP_EXAMPLES["megatron overlap"])
 @example(case=SP_EXAMPLES["megatron ring"])
 @example(case=SP_EXAMPLES["megatron ulysses"])
 def test_sequence_parallel_meshes_match_reference(case: Case) -> None:

@@ -141,6 +141,19 @@ PRIMITIVES: dict[str, Primitive] = {
         TOKENS_SPLIT,
         TOKENS_SPLIT,
     ),
+    # Megatron-SP's entry and exit as collective matmuls (parallel.overlap)
+    "attention_tp_sp_overlap": (
+        lambda x, p, axis: attention_tp(x, p, axis, ref.attention_core, token_dim=1, overlap=True),
+        lambda x, p: ref.self_attention(x, p, None),
+        TOKENS_SPLIT,
+        TOKENS_SPLIT,
+    ),
+    "mlp_tp_sp_overlap": (
+        lambda x, p, axis: mlp_tp(x, p, axis, ref.gelu, token_dim=1, overlap=True),
+        lambda x, p: ref.mlp(x, p, None),
+        TOKENS_SPLIT,
+        TOKENS_SPLIT,
+    ),
 }
 PARAM_SPECS = {
     "dense_column": MLP_SPECS["fc1"],
@@ -150,6 +163,8 @@ PARAM_SPECS = {
     "attention_tp_sp": ATTN_SPECS,
     "mlp_tp": MLP_SPECS,
     "mlp_tp_sp": MLP_SPECS,
+    "attention_tp_sp_overlap": ATTN_SPECS,
+    "mlp_tp_sp_overlap": MLP_SPECS,
 }
 
 
@@ -183,6 +198,8 @@ def make_inputs(case: Case) -> tuple[dict, dict]:
         "attention_tp_sp": attn,
         "mlp_tp": mlp,
         "mlp_tp_sp": mlp,
+        "attention_tp_sp_overlap": attn,
+        "mlp_tp_sp_overlap": mlp,
     }
     inputs = {
         name: (normal(b, t, f if name.startswith("dense_row") else d), params[name])

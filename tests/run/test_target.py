@@ -38,6 +38,17 @@ def test_data_and_tensor_parallel_hold_their_contracts_on_the_tpu_compiler(capsy
     assert 0.0 <= got["overlapped_fraction"] <= 1.0
 
 
+def test_overlapped_megatron_sp_holds_its_contract_and_hides_its_bytes(capsys):
+    """Megatron-SP with --overlap compiled for v5e:2x4 (layers unrolled): its rings of
+    permutes hold the contract exactly on the TPU compiler's program, and more than half of
+    their bytes have a matmul scheduled between start and done; the plain regions hide none."""
+    argv = ["--mesh", "data=2,model=4", "--sp", "megatron", "--layers", "unrolled"]
+    overlapped = inspect_json(capsys, *argv, "--overlap", "--heads", "4")
+    assert overlapped["contract_ok"], overlapped["mismatches"]
+    assert overlapped["overlapped_fraction"] > 0.5
+    assert inspect_json(capsys, *argv, "--heads", "4")["overlapped_fraction"] == 0.0
+
+
 def test_a_plan_that_does_not_fit_is_one_sentence(capsys):
     argv = ["inspect", "--target", "v5e:2x2", "--mesh", "data=4", "--variant", "Ti/16",
             "--depth", "2", "--batch", "8192"]  # fmt: skip

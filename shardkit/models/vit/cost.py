@@ -298,6 +298,8 @@ def _megatron_sp_terms(g: Geometry) -> list[Term]:
     if g.plan.sp != "megatron":
         return []
     layers, full = g.cfg.depth, g.b * g.t_attn * g.cfg.dim
+    if g.plan.overlap:
+        return _overlapped_sp_terms(g, n, layers, full)
     ag = functools.partial(term, g, "all-gather", ["model"])
     rs = functools.partial(term, g, "reduce-scatter", ["model"])
     gather, scatter = all_gather_bytes(full * WORD, n), reduce_scatter_bytes(full * g.act, n)
@@ -311,6 +313,23 @@ def _megatron_sp_terms(g: Geometry) -> list[Term]:
         *ag(2 * layers * remat, gather, "re-gather both regions' inputs", "recompute"),
         *rs(layers * remat, scatter, "attention exit (LN2 reads it)", "recompute"),
     ]
+
+
+def _overlapped_sp_terms(g: Geometry, n: int, layers: int, full: int) -> list[Term]:
+    """Megatron-SP with ``overlap``: each region's entry is an ``ag_matmul`` and its exit a
+    ``matmul_rs``, rings of n − 1 permutes (i -> i + 1) of one token block A'/n in the compute
+    dtype; backward, each ring's transpose is again a ring (dx's partial sums, dy's blocks).
+      forward  2·l regions × 2 rings × (n−1) × A'/n·a;   backward the same
+    (the plain entry gathers the float32 LayerNorm output: with a bf16 compute dtype the
+    overlapped forward entry and backward exit-transpose send half its bytes)."""
+    hop = functools.partial(term, g, "collective-permute", ["model"], step=1)
+    block = permute_bytes(full // n * g.act)
+    rings = 4 * layers * (n - 1)
+    return [
+        *hop(rings, block, "token blocks round the model ring under each region's matmuls",
+             "forward"),
+        *hop(rings, block, "the rings' transposes: dx's partial sums, dy's blocks", "backward"),
+    ]  # fmt: skip
 
 
 def _ring_terms(g: Geometry) -> list[Term]:

@@ -104,6 +104,7 @@ class Layout:
       num_tokens: true token count t; padded_tokens: t rounded up to the shard count.
       split: the plan's token-split decision these are read from (``plan.token_split``).
       kernel: the plan's attention kernel ("auto", "jnp" or "pallas"; ``shardkit.kernels``).
+      overlap: Megatron-SP's regions as collective matmuls (``Plan.overlap``).
     """
 
     mesh: Mesh
@@ -113,6 +114,7 @@ class Layout:
     padded_tokens: int
     split: TokenSplit
     kernel: str = "auto"
+    overlap: bool = False
 
     @property
     def token_shards(self) -> int:
@@ -141,8 +143,9 @@ def make_layout(cfg: vit_ref.ViTConfig, plan: Plan, devices: Any = None) -> Layo
         mesh = sp.usp_mesh(mesh, split.ulysses)
     padded = split.padded_tokens(cfg.num_tokens)
     return Layout(
-        mesh, split.token_axes, split.attention, cfg.num_tokens, padded, split, plan.kernel
-    )
+        mesh, split.token_axes, split.attention, cfg.num_tokens, padded, split, plan.kernel,
+        plan.overlap,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- per device
@@ -202,10 +205,11 @@ def _block_local(
     model = "model" if lay.mesh.shape["model"] > 1 else None
     token_dim = 1 if lay.megatron else None
     core = _attention_core(cfg, lay, key_valid)
+    tp = dict(token_dim=token_dim, overlap=lay.overlap)
     h = ref.layer_norm(x, p["ln1"])
-    x = x + attention_tp(h, p["attn"], model, core, dtype, token_dim=token_dim).astype(x.dtype)
+    x = x + attention_tp(h, p["attn"], model, core, dtype, **tp).astype(x.dtype)
     h = ref.layer_norm(x, p["ln2"])
-    return x + mlp_tp(h, p["mlp"], model, ref.gelu, dtype, token_dim=token_dim).astype(x.dtype)
+    return x + mlp_tp(h, p["mlp"], model, ref.gelu, dtype, **tp).astype(x.dtype)
 
 
 def _encoder_local(
@@ -377,6 +381,7 @@ class ShardedViT(sharded.ShardedModel):
             )
         )
         kernel = "" if self.plan.kernel == "auto" else f", kernel={self.plan.kernel}"
+        kernel += ", overlap" if self.plan.overlap else ""
         return (
             f"ShardedViT(mesh={format_mesh(self.plan.mesh)}, sp={self.plan.sp!r}, "
             f"zero={self.plan.zero}, remat={self.plan.remat}, layers={self.plan.layers}{pp}"
