@@ -182,10 +182,9 @@ def attention_tp(
 ) -> Float[Array, "b t d"]:
     """Self-attention with heads split over ``axis``.
 
-    ``x[B, T, D]`` (or ``x[B, T_X, D]`` with ``token_dim``) · ``W_qkv[D, H_X, K]`` ->
-    ``q, k, v[B, T, H_X, K]`` -> ``core`` -> ``o[B, T, H_X, K]`` · ``W_o[H_X, K, D]`` ->
-    ``{U_X}`` -> reduced. One forward and one backward reduction per call, whatever the number
-    of projections.
+    ``x[B, T, D]`` (or ``x[B, T_X, D]`` with ``token_dim``) · ``W_qkv[D, H_X, K]`` -> ``q, k,
+    v[B, T, H_X, K]`` -> ``core`` -> ``o`` · ``W_o[H_X, K, D]`` -> ``{U_X}`` -> reduced. One
+    forward and one backward reduction per call, whatever the number of projections.
 
     Args:
       x: local activations [b, t, d], invariant over ``axis`` (``[b, t/n, d]`` with
@@ -200,8 +199,7 @@ def attention_tp(
         ``key`` / ``value`` are whole ([d, h_kv, k], not split over ``axis``).
       axis: the tensor-parallel mesh axis, or None (no split: plain attention).
       core: ``core(q, k, v) -> o`` on local heads, [b, t, h/n, k] each (plain, ring, Ulysses,
-        masked...). The 1/√k score scaling belongs to the core (``sequence.attention_local``
-        and the sequence-parallel cores apply it); nothing here scales.
+        masked...); it scales the scores by 1/√k (``sequence``'s cores do), nothing here does.
       dtype: compute dtype of the matmuls (None: the params' dtype).
       token_dim: 1 for Megatron-SP (tokens split over ``axis`` outside the region).
       rope: ``rope(q, k) -> (q, k)``, applied after the projections (``lm.rope(positions)``:

@@ -205,11 +205,13 @@ def _block_local(
     model = "model" if lay.mesh.shape["model"] > 1 else None
     token_dim = 1 if lay.megatron else None
     core = _attention_core(cfg, lay, key_valid)
-    tp = dict(token_dim=token_dim, overlap=lay.overlap)
+    rings = lay.overlap
     h = ref.layer_norm(x, p["ln1"])
-    x = x + attention_tp(h, p["attn"], model, core, dtype, **tp).astype(x.dtype)
+    a = attention_tp(h, p["attn"], model, core, dtype, token_dim=token_dim, overlap=rings)
+    x = x + a.astype(x.dtype)
     h = ref.layer_norm(x, p["ln2"])
-    return x + mlp_tp(h, p["mlp"], model, ref.gelu, dtype, **tp).astype(x.dtype)
+    m = mlp_tp(h, p["mlp"], model, ref.gelu, dtype, token_dim=token_dim, overlap=rings)
+    return x + m.astype(x.dtype)
 
 
 def _encoder_local(
