@@ -283,6 +283,22 @@ def _per_key_head(fn: Callable, *args: Array) -> Array:
     return jax.vmap(jax.vmap(fn, in_axes=(0, 0, 0, None)), in_axes=(0, 0, 0, 0))(*args)
 
 
+def _operands(
+    q: Array, k: Array, v: Array, mask: HopMask, segs: tuple, interpret: bool | None
+) -> tuple[splash.SplashAttentionKernel, tuple[Array, ...], splash.SegmentIds | None]:
+    """What both directions hand splash: the kernel, q scaled (splash does not scale the
+    logits) [b, h_kv, g, t_p, d], k, v [b, h_kv, s_p, d], and the segment ids of ``segs`` =
+    (q_seg, kv_seg, key_valid)."""
+    (b, t, h, d), s, n = q.shape, k.shape[1], k.shape[2]
+    kernel = _kernel(mask, t, s, h // n, _interpret(interpret))
+    blocks = (
+        _to_heads(q * d**-0.5, n, _padded(t)),
+        _kv_heads(k, _padded(s)),
+        _kv_heads(v, _padded(s)),
+    )
+    return kernel, blocks, _segments(b, t, s, *segs)
+
+
 def block_attention(
     q: Array,
     k: Array,
@@ -299,20 +315,15 @@ def block_attention(
     ``mask`` is static; q_seg [b, t] / kv_seg [b, s] segment ids and key_valid [(b,) s] are
     data. ``interpret``: None runs Pallas' interpreter off a TPU.
     """
-    (b, t, h, d), s, n = q.shape, k.shape[1], k.shape[2]
-    tp, sp = _padded(t), _padded(s)
-    kernel = _kernel(mask, t, s, h // n, _interpret(interpret))
-    qh = _to_heads(q * d**-0.5, n, tp)  # splash does not scale the logits
-    seg = _segments(b, t, s, q_seg, kv_seg, key_valid)
+    b, t, h = q.shape[:3]
+    kernel, blocks, seg = _operands(q, k, v, mask, (q_seg, kv_seg, key_valid), interpret)
 
     def one(qh: Array, kh: Array, vh: Array, seg: splash.SegmentIds) -> tuple[Array, Array]:
         out, (lse,) = kernel(qh, kh, vh, segment_ids=seg)
         return out, lse
 
-    out, lse = _run(
-        functools.partial(_per_key_head, one), qh, _kv_heads(k, sp), _kv_heads(v, sp), seg
-    )
-    lse = lse.reshape(b, h, tp)[..., :t]
+    out, lse = _run(functools.partial(_per_key_head, one), *blocks, seg)
+    lse = lse.reshape(b, h, -1)[..., :t]
     has_key = lse > MASK_VALUE / 2
     out = jnp.where(jnp.swapaxes(has_key, 1, 2)[..., None], _from_heads(out, t), 0)
     return out.astype(q.dtype), jnp.where(has_key, lse, MASK_VALUE)
@@ -335,16 +346,14 @@ def block_attention_grads(
     """Float32 (dq, dk, dv) of this key block, from the queries' log-sum-exp lse [b, h, t] and
     delta [b, h, t] over every block they attend (probabilities recomputed as exp(s − lse))."""
     (b, t, h, d), s, n = q.shape, k.shape[1], k.shape[2]
-    tp, sp = _padded(t), _padded(s)
-    kernel = _kernel(mask, t, s, h // n, _interpret(interpret))
-    scale = d**-0.5
+    tp = _padded(t)
+    kernel, (qh, kh, vh), seg = _operands(q, k, v, mask, (q_seg, kv_seg, key_valid), interpret)
     # A row with no key: p = exp(s − lse) must be 0, not exp(MASK − MASK) = 1.
     lse = jnp.where(lse > MASK_VALUE / 2, lse, np.finfo(np.float32).max)
     rows = functools.partial(jnp.pad, pad_width=((0, 0), (0, 0), (0, tp - t)))
     lse_h = rows(lse).reshape(b, n, h // n, tp)
     delta_h = rows(delta.astype(jnp.float32)).reshape(b, n, h // n, tp)
-    seg = _segments(b, t, s, q_seg, kv_seg, key_valid)
-    qh, doh = _to_heads(q * scale, n, tp), _to_heads(d_out.astype(q.dtype), n, tp)
+    doh = _to_heads(d_out.astype(q.dtype), n, tp)
     bwd = functools.partial(
         splash._splash_attention_bwd_dkv,
         sinks=None,
@@ -370,10 +379,10 @@ def block_attention_grads(
         return bwd(qh, kh, vh, seg, logsumexp=lse, do=do, di=delta)
 
     per_head = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None, 0)), in_axes=(0, 0, 0, 0, 0))
-    dq, dk, dv = _run(per_head, qh, _kv_heads(k, sp), _kv_heads(v, sp), seg, (doh, lse_h, delta_h))
+    dq, dk, dv = _run(per_head, qh, kh, vh, seg, (doh, lse_h, delta_h))
     f32 = jnp.float32
     dk, dv = (jnp.transpose(x[:, :, :s], (0, 2, 1, 3)).astype(f32) for x in (dk, dv))
-    return (_from_heads(dq, t) * scale).astype(f32), dk, dv
+    return (_from_heads(dq, t) * d**-0.5).astype(f32), dk, dv
 
 
 def _run(fn: Callable, *args: Any) -> Any:
