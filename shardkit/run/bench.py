@@ -320,6 +320,16 @@ def _aligned(cells: Sequence[str], widths: Sequence[int]) -> str:
     )
 
 
+def table_lines(header: Sequence[str], body: Sequence[Sequence[str]], markdown: bool) -> list[str]:
+    """A table's lines: Markdown, or plain text with names (the first two columns) left-aligned
+    and numbers right-aligned."""
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        return lines + ["| " + " | ".join(cells) + " |" for cells in body]
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    return [_aligned(cells, widths) for cells in [header, *body]]
+
+
 def format_table(
     result: dict[str, Any],
     markdown: bool = False,
@@ -328,12 +338,7 @@ def format_table(
     """The rows as a plain-text (or Markdown) table, then the peak and the failures."""
     header = [name for name, _, _ in columns]
     body = [[_cell(row.get(key), fmt) for _, key, fmt in columns] for row in result["rows"]]
-    if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(cells) + " |" for cells in body]
-    else:
-        widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-        lines = [_aligned(cells, widths) for cells in [header, *body]]
+    lines = table_lines(header, body, markdown)
     peak = result["peak_flops_per_s"] / 1e9
     lines.append(
         f"\nmedian of {result['steps']} interleaved steps after {result['warmup']} warm-up; "

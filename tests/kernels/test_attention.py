@@ -1,7 +1,8 @@
 """The Pallas attention kernels (splash, in Pallas' interpreter on CPU) equal the jnp path.
 
 Masks first (NumPy only): every hop mask ``hop_masks`` derives from a layout's positions is the
-causal mask of those positions, pair by pair. Then each sequence mode on the Pallas kernel
+causal mask of those positions, pair by pair, and the rectangles a several-run mask runs as
+cover it exactly once. Then each sequence mode on the Pallas kernel
 against the same mode on jnp, float32, ≤ 1e-5 relative: out, lse and dq, dk, dv under a loss
 that also reads lse, with grouped-query heads, padding (num_valid and token counts that are
 not multiples of 128), key masks and packed segments; and the same bytes on the wire.
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 
 from shardkit import kernels
 from shardkit.comm.ledger import measure
+from shardkit.kernels import attention as attention_lib
 from shardkit.mesh import make_mesh
 from shardkit.parallel.sequence import attention_local, layouts, sharded_attention
 from shardkit.testing import max_error
@@ -43,6 +45,17 @@ def test_hop_masks_are_the_causal_masks_of_the_positions(layout, n, group, per_s
             want = table[me][:, None] >= table[src][None, :]
             np.testing.assert_array_equal(masks[case[me, src]].visible(i, j), want)
     assert len(masks) <= 3  # a handful of kernels per layout, whatever n
+    for mask in masks:  # several runs: rectangles under one run's mask cover it exactly
+        if mask.runs == 1 or mask.empty or mask.full:
+            continue
+        covered = np.zeros((t, t), int)
+        for rows, cols, piece in attention_lib._pieces(mask):
+            assert piece.runs == 1 and not piece.empty
+            r, c = np.arange(rows.stop - rows.start), np.arange(cols.stop - cols.start)
+            covered[rows, cols] += piece.visible(r[:, None], c[None, :])
+        np.testing.assert_array_equal(covered, mask.visible(i, j))
+        if layout == "zigzag" and group == 1:  # a ring's hop: 1 or 2 rectangles
+            assert attention_lib._by_pieces(mask) and len(attention_lib._pieces(mask)) <= 2
 
 
 def test_positions_without_even_runs_are_refused() -> None:

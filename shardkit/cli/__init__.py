@@ -1,6 +1,6 @@
 """The ``shardkit`` command: ``verify`` (sharded == reference), ``inspect`` (the ledger) and
 ``train`` (a real training run), ``bench`` and ``launch``. Argument parsing, printing and error
-reporting only; every command's work is in ``shardkit.run``.
+reporting only; every command's work is in ``shardkit.run`` (``bench``'s flags: ``cli.bench``).
 
 Bad arguments print one line on stderr and exit 2; a failed verification or a diverged training
 run exits 1.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -36,7 +35,7 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _add_model_opts(p: argparse.ArgumentParser, batch: int, about: str) -> None:
+def add_model_opts(p: argparse.ArgumentParser, batch: int, about: str) -> None:
     g = p.add_argument_group(f"model (default: the ViT, {about})")
     g.add_argument("--model", choices=("vit", "gpt", "moe-gpt"), default="vit",
                    help="the ViT (default), or the Llama-style decoder on the Zen of Python, "
@@ -60,7 +59,7 @@ def _add_model_opts(p: argparse.ArgumentParser, batch: int, about: str) -> None:
                    "document (attention within it, positions from its start)")  # fmt: skip
 
 
-def _add_plan_opts(p: argparse.ArgumentParser) -> None:
+def add_plan_opts(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("plan (verify: none given runs the default matrix)")
     g.add_argument("--devices", type=int, help="CPU devices (default: the --mesh's size, else 8)")
     g.add_argument("--mesh", help="e.g. data=2,seq=2,model=2 (omitted axes are 1)")
@@ -90,12 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     small = "a 2-layer ViT, dim 64, 8 heads, 32px, patch 4"
     verify = sub.add_parser("verify", help="check sharded == vit_ref (logits, grads, one step)")
-    _add_model_opts(verify, 16, small)
-    _add_plan_opts(verify)
+    add_model_opts(verify, 16, small)
+    add_plan_opts(verify)
     verify.add_argument("--json", action="store_true", help="print one JSON object")
     inspect = sub.add_parser("inspect", help="collectives of the compiled train step vs the model")
-    _add_model_opts(inspect, 16, small)
-    _add_plan_opts(inspect)
+    add_model_opts(inspect, 16, small)
+    add_plan_opts(inspect)
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
     inspect.add_argument("--hlo", metavar="FILE", help="write the compiled HLO text here")
     inspect.add_argument("--plot", metavar="FILE.png", help="draw the collective pattern here")
@@ -106,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the TPU compiler's collectives, and the memory against the chip's HBM",
     )
     _add_train_parser(sub)
-    _add_bench_parser(sub)
+    from shardkit.cli import bench
+
+    bench.add_parser(sub)
     _add_launch_parser(sub)
     return parser
 
@@ -134,31 +135,13 @@ def _add_launch_parser(sub: Any) -> None:
     launch.add_argument("subcommand", nargs=argparse.REMAINDER, help="-- then the subcommand")
 
 
-def _add_bench_parser(sub: Any) -> None:
-    bench = sub.add_parser("bench", help="time shardkit vs XLA's automatic partitioner vs 1 device")
-    _add_model_opts(bench, 32, "4 layers, dim 256, 8 heads, mlp 1024, 32px, patch 4")
-    _add_plan_opts(bench)
-    bench.add_argument("--strategies", metavar="LIST", help="comma-separated names (default: all)")
-    bench.add_argument("--steps", type=int, default=5, help="timed rounds (default 5)")
-    bench.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
-    bench.add_argument("--json", action="store_true", help="print one JSON object")
-    bench.add_argument("--markdown", action="store_true", help="print the table as Markdown")
-    bench.add_argument("--plot", metavar="FILE.png", help="draw time and bytes per strategy")
-    chip = bench.add_argument_group("one device's throughput (--chip)")
-    chip.add_argument("--chip", action="store_true", help="vit_ref vs the sharded ViT on the "
-                      "first device: img/s, MFU, memory (default B/16, bfloat16)")  # fmt: skip
-    chip.add_argument("--batches", default="32,64,128,256", help="comma-separated batch sizes")
-    chip.add_argument("--remats", default="dots",
-                      help=f"comma-separated remat policies of {REMAT_POLICIES}")  # fmt: skip
-
-
 def _add_train_parser(sub: Any) -> None:
     from shardkit.run.train import TrainOptions
 
     d = TrainOptions()
     train = sub.add_parser("train", help="train the sharded ViT (default: digits, data=8)")
-    _add_model_opts(train, d.batch, "2 layers, dim 64, 8 heads, patch 2; size from the data")
-    _add_plan_opts(train)
+    add_model_opts(train, d.batch, "2 layers, dim 64, 8 heads, patch 2; size from the data")
+    add_plan_opts(train)
     g = train.add_argument_group("training")
     g.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps ({d.steps})")
     g.add_argument("--out", metavar="DIR", help="run directory (default runs/train-<time>)")
@@ -191,7 +174,7 @@ def model_config(
     return config.model_config(overrides, args.variant, defaults, head_zeroinit)
 
 
-def _with_layers(cases: list[Any], args: argparse.Namespace) -> list[Any]:
+def with_layers(cases: list[Any], args: argparse.Namespace) -> list[Any]:
     """The matrix's cases with ``--layers`` and ``--kernel`` (those given) in every plan."""
     import dataclasses
 
@@ -199,7 +182,7 @@ def _with_layers(cases: list[Any], args: argparse.Namespace) -> list[Any]:
     return [dataclasses.replace(c, plan=dataclasses.replace(c.plan, **given)) for c in cases]
 
 
-def _plan_given(args: argparse.Namespace) -> bool:
+def plan_given(args: argparse.Namespace) -> bool:
     flags = ("mesh", "sp", "ulysses", "fsdp", "zero", "remat", "pp", "overlap")
     return any(getattr(args, f) for f in flags) or {args.microbatches, args.virtual} != {None}
 
@@ -257,7 +240,7 @@ def _mesh_devices(spec: str | None) -> int:
     return math.prod(parse_mesh(spec).values()) if spec else 8
 
 
-def _setup_devices(n: int) -> None:
+def setup_devices(n: int) -> None:
     """``n`` CPU devices in all, here or over the processes of a launch (``run.launch``)."""
     from shardkit.run.launch import join_devices
 
@@ -269,14 +252,14 @@ def _setup_devices(n: int) -> None:
 def run_verify(args: argparse.Namespace) -> int:
     from shardkit.run import verify
 
-    _setup_devices(args.devices)
+    setup_devices(args.devices)
     cfg = model_config(args)
-    if _plan_given(args):
+    if plan_given(args):
         cases = [verify.Case("custom", plan_from_args(args))]
     else:
-        cases = _with_layers(verify.default_matrix(args.devices), args)
+        cases = with_layers(verify.default_matrix(args.devices), args)
     models = verify.prepare(cfg, cases, args.batch)  # every plan checked before anything runs
-    if _plan_given(args):
+    if plan_given(args):
         _note(cfg, cases[0].plan)
     ok = verify.run_cases(cfg, cases, args.batch, as_json=args.json, echo=print, models=models)
     return 0 if ok else 1
@@ -289,8 +272,8 @@ def run_inspect(args: argparse.Namespace) -> int:
         target.prepare_environment()  # before JAX starts: the CPU backend, libtpu shareable
     from shardkit.run import inspect
 
-    _setup_devices(args.devices)
-    _check_plot(args)
+    setup_devices(args.devices)
+    check_plot(args)
     from shardkit.run import config
 
     cfg = model_config(args)
@@ -346,7 +329,7 @@ def _train_setup(args: argparse.Namespace) -> tuple[Any, ...]:
         eval_every=args.eval_every, seed=args.seed,
     )  # fmt: skip
     _require_train_extras(args.data)
-    _setup_devices(args.devices)
+    setup_devices(args.devices)
     ds = datasets.load(args.data)
     cfg = train_config(args, ds)
     plan = plan_from_args(args)
@@ -394,98 +377,9 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_cases(args: argparse.Namespace) -> list[Any]:
-    from shardkit.run import bench
-    from shardkit.run.verify import Case
-
-    if _plan_given(args):
-        if args.strategies:
-            raise UsageError("give either --strategies or plan options (--mesh ...), not both.")
-        return [Case("custom", plan_from_args(args))]
-    cases = _with_layers(bench.strategies(args.devices), args)
-    chosen = _chosen(args.strategies, {case.name: case for case in cases})
-    return list(chosen.values())
-
-
-def _chosen(strategies: str | None, named: dict[str, Any]) -> dict[str, Any]:
-    """The ``--strategies`` of ``named`` (all if not given; names case-insensitive)."""
-    if not strategies:
-        return named
-    by_name = {name.lower(): name for name in named}
-    wanted = [name.strip() for name in strategies.split(",") if name.strip()]
-    unknown = [name for name in wanted if name.lower() not in by_name]
-    if unknown or not wanted:
-        raise UsageError(f"unknown strategy {unknown[0] if unknown else '(none)'!r}; "
-                         f"choose from {', '.join(named)}.")  # fmt: skip
-    return {by_name[w.lower()]: named[by_name[w.lower()]] for w in wanted}
-
-
-def _check_bench_flags(args: argparse.Namespace) -> None:
-    if args.steps < 1 or args.warmup < 0:
-        raise UsageError(
-            f"--steps must be >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}."
-        )
-    _check_plot(args)
-
-
-def _check_plot(args: argparse.Namespace) -> None:
+def check_plot(args: argparse.Namespace) -> None:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib: pip install 'shardkit[plot]'.")
-
-
-def _progress(what: str) -> None:
-    print(f"bench: {what}", file=sys.stderr, flush=True)
-
-
-def run_bench(args: argparse.Namespace) -> int:
-    from shardkit.run import bench
-
-    _check_bench_flags(args)
-    if args.chip:
-        return _run_chip_bench(args)
-    _setup_devices(args.devices)
-    cfg = model_config(args, bench.DEFAULT_MODEL)
-    cases = _bench_cases(args)
-    result = bench.run(cfg, cases, args.batch, args.steps, args.warmup, _progress)
-    if args.plot:
-        bench.plot(result, args.plot)
-    print(json.dumps(result) if args.json else bench.format_table(result, args.markdown))
-    return 0
-
-
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise UsageError(f"{flag} takes positive integers separated by commas, got {text!r}.")
-    return values
-
-
-def _run_chip_bench(args: argparse.Namespace) -> int:
-    """``bench --chip``: one device's throughput table (``run.throughput``)."""
-    from shardkit.run import throughput
-
-    if _plan_given(args) or args.strategies:
-        raise UsageError("--chip runs one device: give no --mesh, plan options or --strategies.")
-    batches = _int_list(args.batches, "--batches")
-    remats = [r.strip() for r in args.remats.split(",") if r.strip()]
-    unknown = [r for r in remats if r not in REMAT_POLICIES]
-    if unknown or not remats:
-        raise UsageError(
-            f"--remats takes policies of {', '.join(REMAT_POLICIES)}, got {args.remats!r}."
-        )
-    if args.variant is None and args.dim is None:
-        args.variant, args.dtype = "B/16", args.dtype or "bfloat16"
-    cfg = model_config(args, head_zeroinit=False)
-    result = throughput.run(cfg, batches, remats, steps=args.steps, warmup=args.warmup,
-                            progress=_progress, layers=args.layers or "scan",
-                            kernel=args.kernel or "auto")  # fmt: skip
-    if args.plot:
-        throughput.plot(result, args.plot)
-    print(json.dumps(result) if args.json else throughput.format_table(result))
-    return 0
 
 
 def run_launch(args: argparse.Namespace) -> int:
@@ -516,13 +410,15 @@ def run_launch(args: argparse.Namespace) -> int:
 VIT_ONLY = (*MODEL_FLAGS, "variant", "pool", "posemb", "dtype", "precision", "ulysses", "zero",
             "layers", "pp", "microbatches", "virtual", "overlap", "hlo", "plot", "target",
             "resume", "checkpoint_every", "keep", "eval_every", "cache", "data", "chip",
-            "batches", "remats")  # fmt: skip
+            "batches", "remats", "attention", "tokens", "ring")  # fmt: skip
 LM_ONLY = ("--experts", "--top-k", "--capacity-factor", "--documents")
 
 
 def run_lm(args: argparse.Namespace) -> int:
     """``verify``, ``inspect``, ``train`` or ``bench`` of ``--model gpt`` / ``moe-gpt``
     (``run.lm``, ``run.lm_bench``)."""
+    if getattr(args, "attention", False):
+        raise UsageError("--attention times attention alone, with no model: give no --model.")
     kept = ("plot",) if args.command == "bench" else ()
     flags = ["--" + n.replace("_", "-") for n in VIT_ONLY if n not in kept]
     given = [f for f in flags if any(a == f or a.startswith(f + "=") for a in args.argv)]
@@ -533,7 +429,7 @@ def run_lm(args: argparse.Namespace) -> int:
         raise UsageError(f"{moe_flags[0]} needs --model moe-gpt (the gpt is dense).")
     from shardkit.run import lm
 
-    _setup_devices(args.devices)
+    setup_devices(args.devices)
     cfg = lm.config(args.model, args.experts, args.top_k, args.capacity_factor, args.documents)
     batch = args.batch or LM_BATCH * (2 if args.command != "train" else 1)
     given_plan = args.mesh or args.sp or args.fsdp or args.remat
@@ -546,27 +442,19 @@ def run_lm(args: argparse.Namespace) -> int:
         print(lm.inspect(cfg, plan, batch, as_json=args.json))
         return 0
     if args.command == "bench":
-        return _run_lm_bench(args, cfg, batch, plan if given_plan else None)
+        from shardkit.cli import bench
+
+        return bench.run_lm_bench(args, cfg, batch, plan if given_plan else None)
     return lm.train_command(cfg, plan, batch, steps=args.steps, lr=args.lr, seed=args.seed,
                             out=args.out, force=args.force, warmup=args.warmup,
                             clip=args.clip or float("inf"),
                             weight_decay=args.weight_decay)  # fmt: skip
 
 
-def _run_lm_bench(args: argparse.Namespace, cfg: Any, batch: int, plan: Any) -> int:
-    """``bench --model gpt | moe-gpt``: the given plan, or the default plans (``--strategies``)."""
-    from shardkit.run import bench, lm, lm_bench
+def _run_bench(args: argparse.Namespace) -> int:
+    from shardkit.cli import bench
 
-    _check_bench_flags(args)
-    if plan is not None and args.strategies:
-        raise UsageError("give either --strategies or plan options (--mesh ...), not both.")
-    cfg = lm_bench.bench_config(cfg)
-    plans = _chosen(args.strategies, lm.default_plans(cfg)) if plan is None else {"custom": plan}
-    result = lm_bench.run(cfg, plans, batch, args.steps, args.warmup, _progress)
-    if args.plot:
-        bench.plot(result, args.plot)
-    print(json.dumps(result) if args.json else lm_bench.format_table(result, args.markdown))
-    return 0
+    return bench.run_bench(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -574,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "verify": run_verify,
         "inspect": run_inspect,
         "train": run_train,
-        "bench": run_bench,
+        "bench": _run_bench,
         "launch": run_launch,
     }
     try:
@@ -594,7 +482,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ValueError) as err:  # PlanError, DataError, config errors: ValueErrors
         print(f"shardkit: error: {err}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
