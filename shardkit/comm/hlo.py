@@ -214,9 +214,7 @@ def _initial_element(loop: Instruction, caller: list[Instruction], k: int) -> in
         return None
     names = _operand_names(init)
     value = by_name.get(names[k]) if k < len(names) else None
-    while value is not None and value.opcode == "copy":  # the TPU compiler copies the start
-        value = by_name.get(next(iter(_operand_names(value)), ""))
-    return _int_constant(value)
+    return _int_constant(_uncopied(value, by_name))  # the TPU compiler copies the start
 
 
 def _steps_by_one(body: list[Instruction], k: int) -> bool:
@@ -227,8 +225,15 @@ def _steps_by_one(body: list[Instruction], k: int) -> bool:
     step = by_name.get(names[k]) if k < len(names) else None
     if step is None or step.opcode != "add" or len(_operand_names(step)) != 2:
         return False
-    a, b = (by_name.get(n) for n in _operand_names(step))
+    a, b = (_uncopied(by_name.get(n), by_name) for n in _operand_names(step))
     return any(_tuple_index(x) == k and _int_constant(y) == 1 for x, y in ((a, b), (b, a)))
+
+
+def _uncopied(value: Instruction | None, by_name: dict[str, Instruction]) -> Instruction | None:
+    """``value`` past any ``copy`` (the TPU compiler copies loop counters into other memory)."""
+    while value is not None and value.opcode == "copy":
+        value = by_name.get(next(iter(_operand_names(value)), ""))
+    return value
 
 
 def executions(

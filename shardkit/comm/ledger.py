@@ -164,6 +164,43 @@ ORIGINS = ("written", "transpose", "implicit")
 _CASTS = ("pcast", "pvary")  # an explicit varying cast on the source line: intended transpose
 
 
+NARROW_FLOATS = ("bf16", "f16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Narrowing:
+    """Collectives a compiler narrowed to a 16-bit float in a wider program (the TPU compiler
+    moves the bf16 rounding of a default-precision matmul's operands before the collective
+    that feeds it): how many, and the bytes per step they send fewer than written."""
+
+    count: int = 0
+    bytes_saved: float = 0.0
+
+
+def widened(ledger: Ledger, dtype: str) -> tuple[Ledger, Narrowing]:
+    """``ledger`` with every 16-bit float collective of a program whose floats are ``dtype``
+    (e.g. "f32") counted at that width (what the program wrote, so its contract applies), and
+    what the narrowing saved. A program that is itself 16-bit is returned as it is."""
+    bits = {"f32": 32, "f64": 64}.get(dtype)
+    if bits is None:
+        return ledger, Narrowing()
+    out, count, saved = [], 0, 0.0
+    for c in ledger.collectives:
+        narrow = [i for i, d in enumerate(c.dtypes) if d in NARROW_FLOATS]
+        if not narrow:
+            out.append(c)
+            continue
+        wide = sum(
+            hlo.leaf_bytes(dtype if i in narrow else d, shape)
+            for i, (d, shape) in enumerate(zip(c.dtypes, c.shapes, strict=True))
+        )
+        scale = wide / c.result_bytes
+        out.append(dataclasses.replace(c, result_bytes=wide, bytes_sent=c.bytes_sent * scale))
+        count += c.count
+        saved += c.total_bytes_sent * (scale - 1)
+    return dataclasses.replace(ledger, collectives=tuple(out)), Narrowing(count, saved)
+
+
 @dataclasses.dataclass(frozen=True)
 class Memory:
     """Per-device buffer sizes in bytes, from ``compiled.memory_analysis()``."""

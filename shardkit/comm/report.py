@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import Any
 
-from shardkit.comm.ledger import KINDS, Ledger, Tally, shown_patterns, spanning
+from shardkit.comm.ledger import KINDS, Ledger, Narrowing, Tally, shown_patterns, spanning
 from shardkit.comm.terms import Expectation, compare, compare_patterns
 
 Key = tuple[str, tuple[str, ...]]
@@ -79,6 +79,10 @@ class Report:
     expectation: Expectation
     # A pipeline's other stages, (stage, their report); this one is the last stage's.
     others: tuple[tuple[int, Report], ...] = ()
+    # Collectives the compiler narrowed (``ledger.widened``): ``ledger`` counts them at the
+    # program's width, the contract holds them to what the program wrote, and the bytes sent
+    # (``measured_bytes_sent``) are what the wire carries.
+    narrowed: Narrowing = dataclasses.field(default_factory=Narrowing)
 
     @property
     def rows(self) -> tuple[Row, ...]:
@@ -98,7 +102,7 @@ class Report:
     def measured_bytes_sent(self) -> float:
         """Bytes per step sent by this device (a pipeline: by the busiest stage's)."""
         others = [r.measured_bytes_sent for _, r in self.others]
-        return max([self.ledger.total_bytes_sent(), *others])
+        return max([self.ledger.total_bytes_sent() - self.narrowed.bytes_saved, *others])
 
     @property
     def expected_bytes_sent(self) -> float:
@@ -148,6 +152,7 @@ class Report:
             "contract_ok": self.contract_ok,
             "contract_exact": self.expectation.exact,
             "mismatches": self.mismatches,
+            "narrowed": dataclasses.asdict(self.narrowed),
             "overlapped_fraction": self.ledger.overlapped_fraction,
             "memory": {
                 "argument": mem.argument if mem else None,
@@ -177,6 +182,7 @@ class Report:
             "contract: "
             + ("✓ holds" if self.contract_ok else "✗ " + " ".join(self.mismatches))
             + _bound_note(self.expectation),
+            _narrowed_note(self.narrowed),
         ]
         return "\n".join(line for line in lines if line)
 
@@ -186,6 +192,16 @@ def _bound_note(e: Expectation) -> str:
     if e.exact:
         return ""
     return f" (an upper bound: {e.bound_why})" if e.bound_why else " (an upper bound)"
+
+
+def _narrowed_note(n: Narrowing) -> str:
+    if not n.count:
+        return ""
+    return (
+        f"narrowed by the compiler: {n.count} collective(s) send 16-bit floats where the "
+        f"program wrote 32-bit ones (their values feed bf16 matmul passes), {n.bytes_saved:,.0f} "
+        "B fewer per step; counted as written in the rows, as sent in the total"
+    )
 
 
 def _inexact_counts(ledger: Ledger) -> list[str]:

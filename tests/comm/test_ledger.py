@@ -16,7 +16,16 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardkit.comm.ledger import KINDS, Collective, Ledger, format_table, measure, parse_hlo
+from shardkit.comm.ledger import (
+    KINDS,
+    Collective,
+    Ledger,
+    Narrowing,
+    format_table,
+    measure,
+    parse_hlo,
+    widened,
+)
 from shardkit.mesh import make_mesh
 
 ADD = """%add (a: f32[], b: f32[]) -> f32[] {
@@ -232,6 +241,22 @@ def test_combined_tuple_all_reduce_sums_its_bytes(mesh_dm):
         mesh_dm,
     )
     assert (c.result_bytes, c.bytes_sent) == (64 + 16 + 8, 88.0)
+
+
+def test_widened_counts_narrowed_floats_as_written(mesh_dm):
+    """A float32 program whose compiler sent some floats as bf16: ``widened`` counts them at
+    32 bits (the contract's view) and says how many bytes the narrowing saved."""
+    c = only(
+        module(
+            "%ar = (f32[4,4]{1,0}, bf16[8]{0}, s32[2]{0}) all-reduce(%p, %q, %r), "
+            "channel_id=1, replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add"
+        ),
+        mesh_dm,
+    )
+    wide, narrowed = widened(Ledger((c,)), "f32")
+    assert (wide.collectives[0].result_bytes, wide.collectives[0].bytes_sent) == (104, 104.0)
+    assert narrowed.count == 1 and narrowed.bytes_saved == pytest.approx(16.0)
+    assert widened(Ledger((c,)), "bf16") == (Ledger((c,)), Narrowing())  # a bf16 program
 
 
 def test_partial_permute_charges_the_busiest_sender(mesh_dm):

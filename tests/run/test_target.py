@@ -38,6 +38,28 @@ def test_data_and_tensor_parallel_hold_their_contracts_on_the_tpu_compiler(capsy
     assert 0.0 <= got["overlapped_fraction"] <= 1.0
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--mesh", "data=2,seq=4", "--sp", "ring"],
+        ["--mesh", "data=2,seq=4", "--sp", "ulysses", "--heads", "4"],
+        ["--mesh", "data=4,stage=2", "--pp", "1f1b", "--microbatches", "2"],
+    ],
+    ids=["ring", "ulysses", "1f1b"],
+)
+def test_sequence_and_pipeline_plans_hold_their_contracts_on_the_tpu_compiler(capsys, argv):
+    """The ring (its hops a scan inside the layer scan, whose counter the TPU compiler copies),
+    Ulysses and a 1F1B pipeline: counts exact on the TPU compiler's program. The compiler sends
+    the ring's K/V and Ulysses' forward all-to-alls in bf16 (a float32 model): the contract
+    holds them to what the program wrote and the report names the narrowing and its bytes."""
+    got = inspect_json(capsys, *argv)
+    assert got["contract_ok"], got["mismatches"]
+    saved = got["narrowed"]["bytes_saved"]
+    assert (saved > 0) == ("--sp" in argv)
+    assert got["measured_bytes_sent"] == pytest.approx(got["expected_bytes_sent"] - saved)
+    assert got["fit"]["fits"]
+
+
 def test_overlapped_megatron_sp_holds_its_contract_and_hides_its_bytes(capsys):
     """Megatron-SP with --overlap compiled for v5e:2x4 (layers unrolled): its rings of
     permutes hold the contract exactly on the TPU compiler's program, and more than half of

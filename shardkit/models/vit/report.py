@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import vit_ref
-from shardkit.comm.ledger import Ledger, measure
+from shardkit.comm.ledger import Ledger, Narrowing, measure, widened
 from shardkit.comm.report import Report
 from shardkit.mesh import Plan
 from shardkit.models.vit import cost
@@ -190,9 +190,12 @@ def model_inspect(
     platform: str = "cpu",
 ) -> Report:
     """``inspect`` of a model already built (its plan checked once, when it was built)."""
-    ledger = measure_step(model, batch)
+    ledger, narrowed = measure_step(model, batch), Narrowing()
     if hlo_path is not None:
         pathlib.Path(hlo_path).write_text(ledger.hlo)
-    return report_of(
+    if platform == "tpu" and model.cfg.dtype == "float32":  # the compiler's bf16 rounding
+        ledger, narrowed = widened(ledger, "f32")
+    result = report_of(
         ledger, model.cfg, model.plan, batch, platform=platform, split=model.layout.split
     )
+    return dataclasses.replace(result, narrowed=narrowed)
