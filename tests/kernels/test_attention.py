@@ -140,14 +140,18 @@ def test_sequence_modes(name) -> None:
     assert_kernels_agree(attend, q, k, v, w)
 
 
-def test_the_kernel_moves_no_bytes() -> None:
-    """The zigzag ring's step sends the same collectives either way (kernels compute only)."""
+@pytest.mark.parametrize("mode, extra", [("ring", {}), ("ulysses", {}), ("usp", {"ulysses": 2})])
+def test_the_kernel_moves_no_bytes(mode, extra) -> None:
+    """Each causal zigzag mode's step sends the same collectives on either kernel (kernels
+    compute only): the contracts of every sequence mode hold unchanged."""
     q, k, v, _ = inputs(4 * 128)
     mesh = make_mesh({"seq": 4}, devices=jax.devices()[:4])
 
     def ledger(kernel: str):
         def loss(q, k, v):
-            out, _ = sharded_attention(q, k, v, mesh, causal=True, layout="zigzag", kernel=kernel)
+            out, _ = sharded_attention(
+                q, k, v, mesh, mode, causal=True, layout="zigzag", kernel=kernel, **extra
+            )
             return out.sum()
 
         ledger = measure(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v)
