@@ -24,8 +24,10 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-SHAPES = [(1000,), (1024,), (8192,), (110592,), (110664,), (1048576,), (8, 128), (64, 128),
-          (864, 128), (865, 128), (864, 256), (8192, 128), (110664, 1)]  # fmt: skip
+SHAPES = [(1000,), (1024,), (8192,), (110592,), (110664,), (1048576,), (8, 128), (16, 128),
+          (24, 128), (32, 128), (48, 128), (56, 128), (64, 128), (864, 128), (865, 128),
+          (864, 256), (6912, 128), (6928, 128), (7168, 128), (8192, 128), (12288, 128),
+          (16384, 128), (110664, 1)]  # fmt: skip
 KIND = re.compile(r"\b(all-gather|reduce-scatter|all-reduce)(?:-start)?\(")
 
 

@@ -267,6 +267,9 @@ class ShardedModel:
         _warn_unsplit_batch(self.batch_specs, self.batch_axes)
         self.sync_axes = grad_sync_axes(self.state_specs, mesh, batch_axes, token_axes, token_free)
         self.gather = gather
+        # FSDP buckets as padded tiles on a TPU, where flat ones become all-reduces
+        # (``data.bucket_elements``).
+        self.fsdp_tiles = mesh.devices.flat[0].platform == "tpu"
         self.pipeline = pipeline
         if pipeline is not None:
             staged.check(self, pipeline)
@@ -378,7 +381,9 @@ class ShardedModel:
         """``loss_local`` on params whose FSDP-split leaves are whole (if ``gather``): the
         share, or (share, metrics) with ``aux``."""
         if self.gather and self.batch_axes:
-            params = dp.fsdp_gather(params, self.gather_dims(), self.batch_axes[0])
+            params = dp.fsdp_gather(
+                params, self.gather_dims(), self.batch_axes[0], tiled=self.fsdp_tiles
+            )
         assert self.loss_local is not None, "a pipelined model's loss runs in staged.grads_local"
         with remat_policies.policy(self.remat):
             return self.loss_local(self.compute_params(params), *batch)

@@ -116,7 +116,10 @@ def grads_local(
     sched, micro = stages.schedule, stages.schedule.micro
     dims = model.gather_dims()
     axis = model.batch_axes[0] if model.batch_axes else "data"
-    gathered = (lambda p: dp.fsdp_gather(p, dims, axis)) if model.batch_axes else (lambda p: p)
+
+    def gathered(p: PyTree) -> PyTree:
+        return dp.fsdp_gather(p, dims, axis, tiled=model.fsdp_tiles) if model.batch_axes else p
+
     whole, scatter = jax.vjp(gathered, dp.vary(params, model.vary_axes))
     ends = pipeline.Ends(
         stages.embed_fn, {k: whole[k] for k in stages.embed},

@@ -113,19 +113,20 @@ def _bucket_psum(arrays: Sequence[Array], axes: Axes) -> list[Array]:
 
 @shard_map_primitive
 def fsdp_gather(
-    tree: PyTree, dims_tree: PyTree, axis: str = "data", *, bucket: bool = True
+    tree: PyTree, dims_tree: PyTree, axis: str = "data", *, bucket: bool = True, tiled: bool = False
 ) -> PyTree:
     """All-gathers each FSDP-split leaf along its split dim: ``w[D_data] -> w[D]``.
 
     ``dims_tree`` matches ``tree`` with the split dim of each leaf, or None for leaves that are
-    not split. With ``bucket`` (the default) the split leaves travel as ONE flat buffer per
-    group of leaves sharing a dtype and varying axes (FSDP2's and DDP's buckets): each
-    fragment is flattened with its split dim first, the concatenation is all-gathered once,
-    and every leaf is cut back out of the gathered [n, Σ] buffer. Backward: one reduce-scatter
-    per bucket (the transpose). Leaves with different varying axes never share a buffer: a
-    concatenation would cast the invariant ones, and its transpose would all-reduce their
-    cotangents. ``bucket=False`` gathers leaf by leaf (same bytes, one op per leaf).
-    Cost: (n−1)/n · the gathered bytes forward, the same backward.
+    not split. With ``bucket`` (the default) the split leaves travel as ONE buffer per group
+    of leaves sharing a dtype and varying axes (FSDP2's and DDP's buckets): each fragment is
+    flattened with its split dim first, the concatenation is all-gathered once (flat, or with
+    ``tiled`` as padded [r, 128] tiles: ``bucket_elements``, what the TPU compiler needs), and
+    every leaf is cut back out of the gathered buffer. Backward: one reduce-scatter per bucket
+    (the transpose). Leaves with different varying axes never share a buffer: a concatenation
+    would cast the invariant ones, and its transpose would all-reduce their cotangents.
+    ``bucket=False`` gathers leaf by leaf (same bytes, unpadded; one op per leaf).
+    Cost: (n−1)/n · the gathered bytes forward (each bucket's padded), the same backward.
     """
     leaves, treedef = jax.tree.flatten(tree)
     dims = _dims(dims_tree, leaves)
@@ -135,7 +136,7 @@ def fsdp_gather(
             if dim is not None:  # FSDP: materialise the whole weight just before it is used.
                 out[i] = all_gather(x, axis, axis_dim=dim, tiled=True)
         return jax.tree.unflatten(treedef, out)
-    return jax.tree.unflatten(treedef, _bucket_gather(leaves, dims, axis, "varying"))
+    return jax.tree.unflatten(treedef, _bucket_gather(leaves, dims, axis, "varying", tiled))
 
 
 def _dims(dims_tree: PyTree, leaves: list[Array]) -> list[int | None]:
@@ -155,13 +156,44 @@ def _buckets(leaves: Sequence[Array], dims: Sequence[int | None]) -> list[list[t
     return list(groups.values())
 
 
-def _bucket_gather(leaves: list[Array], dims: list[int | None], axis: str, to: str) -> list[Array]:
-    """``w[D_X] -> w[D]`` for every split leaf, one all-gather per bucket."""
+LANES, TILE_ELEMENTS = 128, 2048  # a tiled bucket travels as [r, 128], r a multiple of 16
+MIN_TILED = 16 * TILE_ELEMENTS  # smaller buckets travel flat (tiles would pad them > 6%)
+
+
+def bucket_elements(elements: int, tiled: bool = True) -> int:
+    """The elements one device sends for an FSDP bucket of ``elements``: ``tiled`` and from
+    ``MIN_TILED`` on, padded to whole tiles; else as they are.
+
+    A tiled bucket travels as a 2-D [r, 128] buffer with r a multiple of 16 (≤ 2,047 zeros of
+    padding, < 6.25%). The TPU compiler turns a flat 1-D bucket's all-gather and its
+    transposed reduce-scatter into all-reduces that send twice the bytes; on tiles it keeps
+    the all-gather, and the reduce-scatter for many sizes but not all (measured:
+    docs/target.md, ``docs/measure/tpu_compiler_reduce_scatter.py``). A
+    bucket under ``MIN_TILED`` elements (128 KiB of float32) stays flat: there the TPU
+    compiler's all-reduce costs less than the padding would."""
+    if not tiled or elements < MIN_TILED:
+        return elements
+    return -(-elements // TILE_ELEMENTS) * TILE_ELEMENTS
+
+
+def _wire(flat: Array, tiled: bool) -> Array:
+    """[Σ] -> the bucket's wire layout (``bucket_elements``): [r, 128] zero padded, or flat."""
+    if not tiled or flat.size < MIN_TILED:
+        return flat
+    return jnp.pad(flat, (0, bucket_elements(flat.size) - flat.size)).reshape(-1, LANES)
+
+
+def _bucket_gather(
+    leaves: list[Array], dims: list[int | None], axis: str, to: str, tiled: bool = False
+) -> list[Array]:
+    """``w[D_X] -> w[D]`` for every split leaf, one all-gather per bucket (``tiled``: laid out
+    as ``bucket_elements`` says)."""
     out = list(leaves)
     for members in _buckets(leaves, dims):
         flat = [jnp.moveaxis(leaves[i], dim, 0).reshape(-1) for i, dim in members]
-        # FSDP / ZeRO: one flat buffer of every fragment in the bucket, gathered once.
-        gathered = all_gather(jnp.concatenate(flat), axis, to=to)  # [n, Σ sizes]
+        # FSDP / ZeRO: one buffer of every fragment in the bucket, gathered once.
+        gathered = all_gather(_wire(jnp.concatenate(flat), tiled), axis, to=to)  # [n, ...]
+        gathered = gathered.reshape(gathered.shape[0], -1)  # [n, Σ sizes (+ padding)]
         offset = 0
         for (i, dim), piece in zip(members, flat, strict=True):
             moved = jnp.moveaxis(leaves[i], dim, 0).shape

@@ -34,7 +34,7 @@ def run(
     report adds the fit to the chip's HBM, and a step that does not fit raises ``TargetError``.
     """
     lead = jax.process_index() == 0  # across processes, files come from process 0 only
-    platform = "cpu" if target is None else "tpu"
+    platform = str(model.mesh.devices.flat[0].platform)  # "tpu" under --target, or on a TPU
     try:
         result = report.model_inspect(
             model, batch, hlo_path=hlo_path if lead else None, platform=platform

@@ -261,6 +261,40 @@ def test_fsdp_gradient_is_the_whole_gradient_reduce_scattered() -> None:
     assert sum(c.result_bytes for c in ar) <= params["scale"].nbytes + 4  # scale's grad (+ loss)
 
 
+def test_bucket_elements_pads_only_tiled_buckets_past_the_threshold() -> None:
+    assert dp.bucket_elements(dp.MIN_TILED - 1) == dp.MIN_TILED - 1  # small: flat
+    assert dp.bucket_elements(dp.MIN_TILED + 1) == dp.MIN_TILED + dp.TILE_ELEMENTS
+    assert dp.bucket_elements(110_664) == 110_592 + 2048  # [r, 128] with r a multiple of 16
+    assert dp.bucket_elements(110_664, tiled=False) == 110_664
+
+
+def test_tiled_fsdp_buckets_equal_flat_ones() -> None:
+    """``tiled`` (a TPU mesh's layout) changes how a bucket travels, not what arrives: values
+    and gradients identical to the flat bucket, the padding's bytes on the wire."""
+    rng = np.random.default_rng(6)
+    shapes = {"a": (4 * 20_000,), "b": (4 * 200, 70)}  # 34,000 elements per device: tiled
+    params = {k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
+    dims, specs = {"a": 0, "b": 0}, {"a": P("data"), "b": P("data")}
+    mesh = mesh_of(4)
+    placed = jax.device_put(params, jax.tree.map(lambda sp: jax.NamedSharding(mesh, sp), specs))
+
+    def loss(tiled: bool):
+        def body(p):
+            g = dp.fsdp_gather(p, dims, tiled=tiled)
+            return (jnp.sum(jnp.sin(g["a"])) + jnp.sum(jnp.cos(g["b"]) ** 2))[None]
+
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=P("data"))
+        return jax.jit(jax.value_and_grad(lambda p: fn(p).sum() / 4))
+
+    (flat_loss, flat_grads), (tiled_loss, tiled_grads) = (loss(t)(placed) for t in (False, True))
+    assert flat_loss == tiled_loss
+    for k in params:
+        np.testing.assert_array_equal(flat_grads[k], tiled_grads[k])
+    sent = ledger.measure(loss(True), placed, mesh=mesh).select("all-gather")
+    assert dp.bucket_elements(34_000) == 34_816 > 34_000 >= dp.MIN_TILED
+    assert [c.result_bytes for c in sent] == [4 * 34_816 * 4]  # n · padded · float32
+
+
 def test_fsdp_buckets_gather_each_group_of_leaves_in_one_op() -> None:
     """Four split leaves (split dims 0 and 1; two also split over model) on data=4 × model=2:
     bucketed, one all-gather per group of equal varying axes (2) and one reduce-scatter per

@@ -60,6 +60,21 @@ def test_sequence_and_pipeline_plans_hold_their_contracts_on_the_tpu_compiler(ca
     assert got["fit"]["fits"]
 
 
+def test_fsdp_keeps_its_gathers_and_reduce_scatters_on_the_tpu_compiler(capsys):
+    """FSDP over 8 (Ti/16, 2 layers: buckets past ``data.MIN_TILED``): on a TPU mesh the
+    buckets travel as padded [r, 128] tiles, so the TPU compiler keeps every all-gather and
+    reduce-scatter (flat, each became an all-reduce: 1.99x the bytes), and the contract, which
+    states the padding, holds exactly."""
+    argv = ["inspect", "--target", "v5e:2x4", "--json", "--variant", "Ti/16", "--depth", "2",
+            "--batch", "16", "--mesh", "data=8", "--fsdp"]  # fmt: skip
+    assert cli.main(argv) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["contract_ok"], got["mismatches"]
+    assert got["ratio"] == pytest.approx(1.0)
+    kinds = {row["kind"]: row["count"] for row in got["collectives"]}
+    assert kinds == {"all-reduce": 1, "all-gather": 3, "reduce-scatter": 3}
+
+
 def test_overlapped_megatron_sp_holds_its_contract_and_hides_its_bytes(capsys):
     """Megatron-SP with --overlap compiled for v5e:2x4 (layers unrolled): its rings of
     permutes hold the contract exactly on the TPU compiler's program, and more than half of

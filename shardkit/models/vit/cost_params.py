@@ -18,6 +18,7 @@ from shardkit.comm.bytes import all_gather_bytes, all_reduce_bytes
 from shardkit.comm.terms import Term
 from shardkit.models.vit.geometry import STEP_END, WORD, Axes, Geometry, term
 from shardkit.models.vit.plan import param_axes, row_leaves
+from shardkit.parallel import data as dp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,11 +212,15 @@ def zero_terms(g: Geometry) -> list[Term]:
     return [*scatters, *gathers]
 
 
-def fsdp_buckets(g: Geometry, leaves: list[Leaf]) -> int:
-    """How many flat buffers ``data.fsdp_gather`` makes of ``leaves``: one per set of varying
-    axes of the fragments (the axes that split a leaf, plus the token axes it is cast to vary
-    over because its gradient is a partial sum there; every ViT param is float32)."""
-    return len({frozenset(leaf.split) | frozenset(sync_axes(g, leaf)) for leaf in leaves})
+def fsdp_buckets(g: Geometry, leaves: list[Leaf]) -> list[list[Leaf]]:
+    """The flat buffers ``data.fsdp_gather`` makes of ``leaves``: one per set of varying axes
+    of the fragments (the axes that split a leaf, plus the token axes it is cast to vary over
+    because its gradient is a partial sum there; every ViT param is float32)."""
+    buckets: dict[frozenset[str], list[Leaf]] = {}
+    for leaf in leaves:
+        key = frozenset(leaf.split) | frozenset(sync_axes(g, leaf))
+        buckets.setdefault(key, []).append(leaf)
+    return list(buckets.values())
 
 
 def fsdp_group(
@@ -224,13 +229,19 @@ def fsdp_group(
     """One term for the buckets of ``leaves``, each gathered (or scattered) ``runs`` times.
 
     A leaf's ``local`` elements times n is its gathered size; block leaves hold all l layers,
-    so the sum is already the bytes of all ``runs``: (n−1)/n · Σ local·n·w.
+    so a bucket's ``runs`` each move 1/runs of its elements: (n−1)/n · Σ local·n·w. FSDP's
+    buckets (``g.fsdp_tiles``: on a TPU) are padded to whole tiles (``data.bucket_elements``);
+    ZeRO's travel flat.
     """
     n = g.plan.size("data")
     if not leaves:
         return []
-    count = fsdp_buckets(g, leaves) * runs
-    total = all_gather_bytes(sum(leaf.local * n * WORD for leaf in leaves), n)
+    buckets = fsdp_buckets(g, leaves)
+    sizes = [sum(leaf.local for leaf in bucket) // runs for bucket in buckets]
+    if g.fsdp_tiles and g.plan.zero == 3:
+        sizes = [dp.bucket_elements(size) for size in sizes]
+    count = len(buckets) * runs
+    total = all_gather_bytes(sum(sizes) * runs * n * WORD, n)
     return term(g, kind, ["data"], count, total / count, what, phase)
 
 

@@ -34,6 +34,7 @@ class Geometry:
       attention: "local", "ring", "ulysses" or "usp" (as ``ShardedViT`` resolves the plan).
       ring_axis / ulysses_axis: the axes of the ring and of the Ulysses all-to-alls (or None).
       act: bytes per element of an activation collective (4 on CPU, see module docstring).
+      fsdp_tiles: FSDP's buckets travel as padded tiles (on a TPU: ``data.bucket_elements``).
     """
 
     cfg: vit_ref.ViTConfig
@@ -46,6 +47,7 @@ class Geometry:
     ring_axis: str | None
     ulysses_axis: str | None
     act: int
+    fsdp_tiles: bool = False
 
     @property
     def b(self) -> int:
@@ -107,7 +109,7 @@ def geometry(
     act = WORD if platform == "cpu" or cfg.dtype == "float32" else 2
     return Geometry(
         cfg, plan, batch, split.mesh_axes, split.sizes, split.token_axes, split.attention,
-        split.ring_axis, split.ulysses_axis, act,
+        split.ring_axis, split.ulysses_axis, act, platform == "tpu",
     )  # fmt: skip
 
 

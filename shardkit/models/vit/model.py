@@ -105,6 +105,7 @@ class Layout:
       split: the plan's token-split decision these are read from (``plan.token_split``).
       kernel: the plan's attention kernel ("auto", "jnp" or "pallas"; ``shardkit.kernels``).
       overlap: Megatron-SP's regions as collective matmuls (``Plan.overlap``).
+      fsdp_tiles: FSDP's buckets as padded tiles (a TPU mesh: ``data.bucket_elements``).
     """
 
     mesh: Mesh
@@ -115,6 +116,7 @@ class Layout:
     split: TokenSplit
     kernel: str = "auto"
     overlap: bool = False
+    fsdp_tiles: bool = False
 
     @property
     def token_shards(self) -> int:
@@ -144,7 +146,7 @@ def make_layout(cfg: vit_ref.ViTConfig, plan: Plan, devices: Any = None) -> Layo
     padded = split.padded_tokens(cfg.num_tokens)
     return Layout(
         mesh, split.token_axes, split.attention, cfg.num_tokens, padded, split, plan.kernel,
-        plan.overlap,
+        plan.overlap, mesh.devices.flat[0].platform == "tpu",
     )  # fmt: skip
 
 
@@ -241,7 +243,7 @@ def _encoder_local(
     @vma.checked_block
     def body(x: Array, layer: tuple[Params, Params | None]) -> Array:
         p_layer, f_layer = layer
-        p_layer = dp.fsdp_gather(p_layer, dims)
+        p_layer = dp.fsdp_gather(p_layer, dims, tiled=lay.fsdp_tiles)
         if f_layer is not None:
             p_layer = dp.zero_attach(p_layer, f_layer, zero_dims)
         return _block_local(x, p_layer, key_valid, cfg, lay)
@@ -301,7 +303,8 @@ def _logits_local(
     outer = _split_blocks(params)
     frag_outer = None if frags is None else _split_blocks(frags)
     specs = param_specs(cfg, plan)
-    outer = dp.fsdp_gather(outer, sharded.gather_dims({k: specs[k] for k in outer}, "data"))
+    dims = sharded.gather_dims({k: specs[k] for k in outer}, "data")
+    outer = dp.fsdp_gather(outer, dims, tiled=lay.fsdp_tiles)
     if frag_outer is not None:
         zero = state_specs(cfg, plan)
         dims = sharded.gather_dims({k: zero[k] for k in outer}, "data")
@@ -490,7 +493,7 @@ class ShardedViT(sharded.ShardedModel):
         """logits[B_data, O]: the schedule's forwards alone (``pipeline.pipeline_forward``)."""
         plan = self.plan
         embed_fn, stage_fn, head_fn = _pipeline_fns(self.cfg, plan, self.layout)
-        whole = dp.fsdp_gather(params, self.gather_dims())
+        whole = dp.fsdp_gather(params, self.gather_dims(), tiled=self.fsdp_tiles)
         embed_p, head_p = _split_outer(whole)
         logits = pl.pipeline_forward(
             schedule(plan),
