@@ -145,6 +145,12 @@ def parse_mesh(spec: str) -> dict[str, int]:
     return shape
 
 
+def platform(mesh: Mesh) -> str:
+    """The platform of ``mesh``'s devices ("cpu", "tpu", ...): a TPU topology's devices under
+    ``inspect --target`` too."""
+    return str(mesh.devices.flat[0].platform)
+
+
 def make_mesh(
     shape: dict[str, int] | None = None, devices: Sequence[jax.Device] | None = None
 ) -> Mesh:

@@ -73,7 +73,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
-from shardkit.mesh import PlanError, logical_specs
+from shardkit.mesh import PlanError, logical_specs, platform
 from shardkit.models import staged
 from shardkit.parallel import data as dp
 from shardkit.parallel import remat as remat_policies
@@ -269,7 +269,7 @@ class ShardedModel:
         self.gather = gather
         # FSDP buckets as padded tiles on a TPU, where flat ones become all-reduces
         # (``data.bucket_elements``).
-        self.fsdp_tiles = mesh.devices.flat[0].platform == "tpu"
+        self.fsdp_tiles = platform(mesh) == "tpu"
         self.pipeline = pipeline
         if pipeline is not None:
             staged.check(self, pipeline)

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 
+from shardkit.mesh import platform as mesh_platform
 from shardkit.models.vit import ShardedViT, report
 from shardkit.run import target as tgt
 
@@ -34,7 +35,7 @@ def run(
     report adds the fit to the chip's HBM, and a step that does not fit raises ``TargetError``.
     """
     lead = jax.process_index() == 0  # across processes, files come from process 0 only
-    platform = str(model.mesh.devices.flat[0].platform)  # "tpu" under --target, or on a TPU
+    platform = mesh_platform(model.mesh)  # "tpu" under --target, or on a TPU
     try:
         result = report.model_inspect(
             model, batch, hlo_path=hlo_path if lead else None, platform=platform

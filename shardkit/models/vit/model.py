@@ -60,7 +60,7 @@ from jaxtyping import Array
 
 import vit_ref
 from shardkit import kernels
-from shardkit.mesh import Plan, format_mesh, make_mesh
+from shardkit.mesh import Plan, format_mesh, make_mesh, platform
 from shardkit.models import sharded, staged
 from shardkit.models.vit.plan import (
     EMBED_LEAVES,
@@ -105,7 +105,6 @@ class Layout:
       split: the plan's token-split decision these are read from (``plan.token_split``).
       kernel: the plan's attention kernel ("auto", "jnp" or "pallas"; ``shardkit.kernels``).
       overlap: Megatron-SP's regions as collective matmuls (``Plan.overlap``).
-      fsdp_tiles: FSDP's buckets as padded tiles (a TPU mesh: ``data.bucket_elements``).
     """
 
     mesh: Mesh
@@ -116,7 +115,11 @@ class Layout:
     split: TokenSplit
     kernel: str = "auto"
     overlap: bool = False
-    fsdp_tiles: bool = False
+
+    @property
+    def fsdp_tiles(self) -> bool:
+        """FSDP's buckets as padded tiles: on a TPU mesh (``data.bucket_elements``)."""
+        return platform(self.mesh) == "tpu"
 
     @property
     def token_shards(self) -> int:
@@ -146,7 +149,7 @@ def make_layout(cfg: vit_ref.ViTConfig, plan: Plan, devices: Any = None) -> Layo
     padded = split.padded_tokens(cfg.num_tokens)
     return Layout(
         mesh, split.token_axes, split.attention, cfg.num_tokens, padded, split, plan.kernel,
-        plan.overlap, mesh.devices.flat[0].platform == "tpu",
+        plan.overlap,
     )  # fmt: skip
 
 
