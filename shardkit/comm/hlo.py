@@ -462,6 +462,28 @@ def matmul_computations(computations: dict[str, list[Instruction]]) -> set[str]:
 _MATMULS = ("dot", "convolution")
 
 
+def matmul_flops(instr: Instruction, shapes: dict[str, str]) -> float | None:
+    """FLOPs of one execution of a ``dot`` (2 · result elements · contracted elements) or a
+    ``convolution`` (2 · result elements · kernel elements per output feature); None for any
+    other instruction. ``shapes``: instruction name -> shape, in ``instr``'s computation (the
+    compiled text names operands without their shapes)."""
+    if instr.opcode not in _MATMULS:
+        return None
+    (_, out), *_ = leaves(result_shape(instr))
+    names = _operand_names(instr)
+    found_shapes = [leaves(shapes[n])[0][1] for n in names[:2] if n in shapes]
+    if len(found_shapes) < 2:
+        return None
+    lhs, rhs = found_shapes
+    if instr.opcode == "dot":
+        found = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.attrs)
+        dims = [int(d) for d in found.group(1).split(",") if d] if found else []
+        return 2.0 * math.prod(out) * math.prod(lhs[d] for d in dims)
+    labels = re.search(r"dim_labels=\w+_(\w+)->", instr.attrs)
+    per_feature = math.prod(rhs) / rhs[labels.group(1).index("o")] if labels else 0
+    return 2.0 * math.prod(out) * per_feature
+
+
 def _calls_any(instr: Instruction, comps: set[str]) -> bool:
     return any(callee in comps for callee, _, _ in _callees(instr))
 

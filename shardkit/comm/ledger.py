@@ -43,11 +43,14 @@ Devices and axes
   ``[2,4]<=[4,2]T(1,0)`` and ``mesh['a'=4,'b'=2] {'b'}`` (with ``device_ids=(...)`` and
   sub-axes ``'a':(1)2``).
 
-Memory and flops (per device, as XLA reports them)
+Memory and flops (per device)
   ``Ledger.memory`` is ``compiled.memory_analysis()``. ``Ledger.xla_flops`` is
   ``compiled.cost_analysis()["flops"]`` recorded as-is and NOT corrected: XLA counts a
   ``while`` / ``lax.scan`` body once, whatever its trip count, so for scanned layers it is a
-  lower bound (about one layer's flops, not L layers').
+  lower bound (about one layer's flops, not L layers'). ``Ledger.flops`` is counted here
+  instead: every ``dot`` and ``convolution`` (``Ledger.matmuls``) times its executions, by the
+  same call counts as the collectives (so every branch of a conditional counts as if it ran;
+  a pipeline's per-stage count weighs each branch by its ticks).
 """
 
 from __future__ import annotations
@@ -168,6 +171,22 @@ NARROW_FLOATS = ("bf16", "f16")
 
 
 @dataclasses.dataclass(frozen=True)
+class Matmul:
+    """One ``dot`` or ``convolution`` of a compiled program (``hlo.matmul_flops``).
+
+    flops: per execution, per device; count: executions per call (as ``Collective.count``:
+    loops by their trip counts, every branch of a conditional as if it ran); op_name: the JAX
+    op that produced it (its named scopes, e.g. a pipeline branch's).
+    """
+
+    name: str
+    op_name: str
+    flops: float
+    count: int
+    count_exact: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class Narrowing:
     """Collectives a compiler narrowed to a 16-bit float in a wider program (the TPU compiler
     moves the bf16 rounding of a default-precision matmul's operands before the collective
@@ -238,12 +257,20 @@ class Ledger:
       memory: ``compiled.memory_analysis()``; None where the backend reports none.
       xla_flops: ``cost_analysis()["flops"]`` as XLA reports it: a while / scan body counted
         once, not once per iteration (a lower bound for scanned programs); None if unreported.
+      matmuls: every dot and convolution that runs, with its FLOPs and count (``flops``).
     """
 
     collectives: tuple[Collective, ...]
     hlo: str = dataclasses.field(default="", repr=False)  # megabytes: print(ledger) shows the table
     memory: Memory | None = None
     xla_flops: float | None = None
+    matmuls: tuple[Matmul, ...] = ()
+
+    @property
+    def flops(self) -> float:
+        """Matmul FLOPs per device per call, read from the compiled program: every dot and
+        convolution times its executions (loops by their trip counts, unlike ``xla_flops``)."""
+        return sum(m.flops * m.count for m in self.matmuls)
 
     def __str__(self) -> str:
         return format_table(self)
@@ -301,6 +328,7 @@ class Ledger:
         return {
             "collectives": rows,
             "measured_bytes_sent": self.total_bytes_sent(),
+            "flops": self.flops,
             "memory": {
                 "argument": mem.argument if mem else None,
                 "output": mem.output if mem else None,
@@ -349,7 +377,8 @@ def ledger_of(compiled: Any, mesh: AnyMesh | None = None) -> Ledger:
             "ledger.measure cannot name the mesh axes of this program's collectives: none of "
             "its inputs or outputs is placed with a NamedSharding; pass mesh=<the Mesh>."
         )
-    return Ledger(collectives, hlo, _memory(compiled), _flops(compiled))
+    matmuls = tuple(parse_matmuls(hlo))
+    return Ledger(collectives, hlo, _memory(compiled), _flops(compiled), matmuls)
 
 
 def _program_mesh(compiled: Any) -> Mesh | None:
@@ -459,6 +488,23 @@ def parse_hlo(text: str, mesh: AnyMesh | None = None) -> list[Collective]:
                 if hlo.overlaps_matmul(instructions[i + 1 :], instr, matmuls):
                     c = dataclasses.replace(c, overlapped=True)
             out.append(c)
+    return out
+
+
+def parse_matmuls(text: str) -> list[Matmul]:
+    """Every dot and convolution in compiled HLO text that runs, with its FLOPs and count."""
+    computations, entry = hlo.split_computations(text)
+    runs = hlo.executions(computations, entry)
+    frames = hlo.stack_frames(text)
+    out = []
+    for comp, instructions in computations.items():
+        count, exact = runs.get(comp, (0, True))
+        shapes = {i.name: i.shape for i in instructions}
+        for instr in instructions if count else ():
+            flops = hlo.matmul_flops(instr, shapes)
+            if flops is not None:
+                op_name, _ = hlo.metadata(instr.attrs, frames)
+                out.append(Matmul(instr.name, op_name, flops, count, exact))
     return out
 
 

@@ -154,12 +154,20 @@ class Report:
             "mismatches": self.mismatches,
             "narrowed": dataclasses.asdict(self.narrowed),
             "overlapped_fraction": self.ledger.overlapped_fraction,
+            **self._flops_json(),
             "memory": {
                 "argument": mem.argument if mem else None,
                 "output": mem.output if mem else None,
                 "temp": mem.temp if mem else None,
             },
         }
+
+    def _flops_json(self) -> dict[str, Any]:
+        """ "flops": the busiest device's matmul FLOPs per step (``Ledger.flops``); under a
+        pipeline also "stage_flops", one per stage."""
+        stages = [r.ledger.flops for _, r in self.others] + [self.ledger.flops]
+        out: dict[str, Any] = {"flops": max(stages)}
+        return {**out, "stage_flops": stages} if self.others else out
 
     def format(self) -> str:
         """A table of measured vs expected per (kind, axes), totals, ratio, memory, verdict."""

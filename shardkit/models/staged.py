@@ -30,12 +30,14 @@ schedule sums a layer's gradients over microbatches before they are whole.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 from jaxtyping import Array
 
+from shardkit.comm.ledger import Ledger
 from shardkit.mesh import PlanError
 from shardkit.parallel import data as dp
 from shardkit.parallel import pipeline
@@ -149,6 +151,57 @@ def chunks(layers: PyTree, virtual: int) -> PyTree:
 
 
 def _typed_like(g: Array, ref: Array) -> Array:
-    """A gradient cast to its primal's varying axes (the engine types it over more, e.g.
-    ``stage`` for the embedding's after its sum over stage, or ``data``)."""
+    """A gradient typed as its primal: cast varying over the primal's axes (the engine types
+    it over more, e.g. ``stage`` for the embedding's after its sum over stage, or ``data``),
+    and summed over the size-1 axes only the inputs vary over (a batch spec naming every
+    token axis, as the GPT's does: a no-op sum)."""
+    extra = tuple(sorted(varying_axes(g) - varying_axes(ref)))
+    if extra:
+        sizes = {a: jax.lax.axis_size(a) for a in extra}
+        assert all(n == 1 for n in sizes.values()), f"gradient varies over {sizes}"
+        g = jax.lax.psum(g, extra)
     return vary(g, varying_axes(ref))
+
+
+# A collective inside a branch: its op_name holds the engine's segment scope, then its branch's.
+_BRANCH = re.compile(
+    pipeline.SEGMENT_SCOPE.format(r"(\d+)")
+    + "/(?:.*/)?"
+    + pipeline.BRANCH_SCOPE.format(r"(\d+)")
+    + "/"
+)
+
+
+def stage_ledger(ledger: Ledger, sched: Schedule, stage: int) -> Ledger:
+    """``ledger`` as one stage's device runs it: a collective or matmul inside a schedule
+    branch counts the ticks this stage spends in that branch, not every tick of its segment
+    (the ledger counts every branch of a conditional as if it ran; ``pipeline.branch_runs``).
+
+    Raises:
+      ValueError: a branch op's count is not a multiple of its segment's length (XLA
+        restructured the tick loop, so the per-stage count cannot be read).
+    """
+    runs = pipeline.branch_runs(sched)
+    collectives = [_on_stage(c, runs, stage) for c in ledger.collectives]
+    matmuls = [_on_stage(m, runs, stage) for m in ledger.matmuls]
+    return dataclasses.replace(
+        ledger,
+        collectives=tuple(c for c in collectives if c.count),
+        matmuls=tuple(m for m in matmuls if m.count),
+    )
+
+
+def _on_stage(op: Any, runs: dict[tuple[int, int], Any], stage: int) -> Any:
+    """A ledger record (``Collective`` or ``Matmul``) with its count as ``stage`` runs it."""
+    match = _BRANCH.search(op.op_name)
+    if not match:
+        return op
+    k, b = int(match.group(1)), int(match.group(2))
+    length = int(runs[(k, -1)][stage])
+    if op.count % length:
+        raise ValueError(
+            f"{op.name} in pipeline segment {k} runs {op.count} times, not a multiple of the "
+            f"segment's {length} ticks."
+        )
+    ran = int(runs[(k, b)][stage]) if (k, b) in runs else 0
+    return dataclasses.replace(op, count=op.count // length * ran)

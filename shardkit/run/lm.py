@@ -130,7 +130,7 @@ def verify_case(cfg: gpt.GPTConfig, name: str, p: gpt.GPTPlan, batch: int) -> di
 
     def sharded(params: Any, *data: jax.Array) -> tuple[Any, Any]:
         out, grads = model.loss_and_grads(params, *ordered(p, *data))
-        return _loss(out), grads
+        return _loss(out), model.to_reference(grads)  # a pipeline's layers in stage order
 
     def twin(params: Any, x: jax.Array, y: jax.Array, *docs: jax.Array) -> jax.Array:
         return gpt.twin_loss(params, x, y, cfg, p, seg=docs[0] if docs else None)

@@ -695,3 +695,23 @@ def test_the_table_counts_groups_of_one_on_one_line():
     real = Collective(kind="all-reduce", group_size=2, bytes_sent=16.0, name="ar.2", **common)
     table = str(Ledger((alone, real)))
     assert table.count("all-reduce") == 1 and "1 collectives over groups of one device" in table
+
+
+def test_matmul_flops_count_every_dot_by_its_executions():
+    """``Ledger.flops``: 2·m·n·k per dot, a scan's by its trip count (XLA's own ``cost_analysis``
+    counts the body once), and a convolution by its kernel per output feature."""
+    x, w = jnp.ones((4, 6, 8)), jnp.ones((8, 16))
+    one = measure(lambda x, w: jnp.einsum("btd,dk->btk", x, w), x, w)
+    assert one.flops == 2 * 4 * 6 * 8 * 16
+    scanned = measure(lambda x, w: lax.scan(lambda c, _: (c @ w[:, :8], None), x, None, 5)[0], x, w)
+    assert scanned.flops == 5 * 2 * 4 * 6 * 8 * 8
+    assert [m.count for m in scanned.matmuls] == [5]
+    images, kernel = jnp.ones((2, 8, 8, 3)), jnp.ones((4, 4, 3, 5))
+
+    def patches(a, k):
+        return lax.conv_general_dilated(
+            a, k, (4, 4), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+
+    conv = measure(patches, images, kernel)
+    assert conv.flops == 2 * (2 * 2 * 2 * 5) * (4 * 4 * 3)

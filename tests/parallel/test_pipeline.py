@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 from shardkit import ledger, testing
+from shardkit.models.staged import stage_ledger
 from shardkit.parallel import pipeline as pl
 from shardkit.parallel.pipeline import schedules as sc
 from shardkit.parallel.tensor import mlp_tp
@@ -175,11 +176,31 @@ def step_args(stages: int, micro: int) -> tuple:
     return chunks, embed, head, jnp.zeros((micro, B, T, D_IN)), jnp.zeros((micro, B, T, D_OUT))
 
 
+@functools.cache
+def compiled_step(name: str, stages: int, micro: int):
+    return compiled(name, 1, stages, 1, micro, 1).lower(*step_args(stages, micro)).compile()
+
+
 def temp_bytes(name: str, stages: int, micro: int) -> int:
-    compiled_step = (
-        compiled(name, 1, stages, 1, micro, 1).lower(*step_args(stages, micro)).compile()
-    )
-    return compiled_step.memory_analysis().temp_size_in_bytes
+    return compiled_step(name, stages, micro).memory_analysis().temp_size_in_bytes
+
+
+def busiest_stage_flops(name: str, stages: int, micro: int) -> float:
+    """Matmul FLOPs of the busiest stage, read from the compiled step (``Ledger.flops``, each
+    branch counted by the ticks the stage spends in it)."""
+    led = ledger.ledger_of(compiled_step(name, stages, micro), mesh_of(1, stages, 1))
+    sched = sc.build(name, stages, micro)
+    return max(stage_ledger(led, sched, s).flops for s in range(stages))
+
+
+def test_zero_bubble_runs_the_matmuls_of_one_f_one_b():
+    """ZB-H1's W computes only weight gradients from what B stashed: its compiled step runs
+    1F1B's matmuls (the old W re-ran the input-gradient chain: 1.09x here), and the count is a
+    real one: it doubles with M."""
+    flops = {(name, m): busiest_stage_flops(name, 4, m) for name in ("1f1b", "zb") for m in (8, 32)}
+    assert flops[("zb", 8)] <= 1.02 * flops[("1f1b", 8)], flops
+    assert flops[("zb", 32)] <= 1.02 * flops[("1f1b", 32)], flops
+    assert flops[("1f1b", 32)] == pytest.approx(4 * flops[("1f1b", 8)], rel=0.05), flops
 
 
 def test_stash_grows_with_m_for_gpipe_only():

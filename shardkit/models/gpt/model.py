@@ -22,6 +22,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import dataclasses
+import functools
 import io
 from typing import Any
 
@@ -33,8 +34,10 @@ from jax.sharding import PartitionSpec as P
 
 import moe_ref
 from shardkit.mesh import AXES, KERNELS, PlanError, format_mesh
+from shardkit.models import staged
 from shardkit.models.sharded import ShardedModel
 from shardkit.parallel import lm, moe, remat, sequence, tensor
+from shardkit.parallel.pipeline import schedules
 from shardkit.parallel.sequence import layouts
 
 with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints the Zen
@@ -75,7 +78,9 @@ def moe_config(experts: moe.MoE, **dims: Any) -> GPTConfig:
 class GPTPlan:
     """How the decoder is split: the mesh, the token layout over seq, the attention core over
     seq (``"ring"`` or ``"ulysses"``), FSDP over data, what the blocks' backward recomputes
-    (``remat``: a ``parallel.remat`` policy) and attention's kernel (``mesh.KERNELS``)."""
+    (``remat``: a ``parallel.remat`` policy), attention's kernel (``mesh.KERNELS``), and the
+    pipeline over ``stage`` (``pp``: a ``schedules.SCHEDULES`` name, M ``microbatches`` of the
+    data-local batch, ``virtual`` chunks per stage)."""
 
     mesh: dict[str, int]
     layout: str = "contiguous"
@@ -83,6 +88,9 @@ class GPTPlan:
     fsdp: bool = False
     remat: str = "none"
     kernel: str = "auto"
+    pp: str = "none"
+    microbatches: int = 1
+    virtual: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mesh", {**dict.fromkeys(AXES, 1), **self.mesh})
@@ -94,17 +102,23 @@ class GPTPlan:
             + (", FSDP" if self.fsdp else "")
             + (f", remat {self.remat}" if self.remat != "none" else "")
             + (f", {self.kernel} kernel" if self.kernel != "auto" else "")
+            + (f", {self.pp} M={self.microbatches}" if self.pp != "none" else "")
+            + (f" V={self.virtual}" if self.virtual > 1 else "")
         )
         return format_mesh(self.mesh) + extra
+
+    def schedule(self) -> schedules.Schedule:
+        """The pipeline schedule (``pp`` not "none")."""
+        return schedules.build(self.pp, self.mesh["stage"], self.microbatches, self.virtual)
 
 
 def check_plan(cfg: GPTConfig, plan: GPTPlan, batch: int) -> None:
     """PlanError (one sentence: dim, axis, sizes) if ``plan`` cannot run ``cfg`` at ``batch``."""
-    data, stage, ep, seq, model = (plan.mesh[a] for a in AXES)
+    data, _, ep, seq, model = (plan.mesh[a] for a in AXES)
     experts = cfg.experts.experts if cfg.experts else 0
     local_heads = cfg.heads // model if cfg.heads % model == 0 else 0
     checks = [
-        (stage > 1, f"The GPT runs no pipeline, but the mesh has stage={stage}"),
+        *_pipeline_checks(cfg, plan, batch),
         (plan.core not in CORES, f"The core must be one of {CORES}, got {plan.core!r}"),
         (plan.kernel not in KERNELS,
          f"The kernel must be one of {', '.join(KERNELS)}, got {plan.kernel!r}"),
@@ -125,6 +139,33 @@ def check_plan(cfg: GPTConfig, plan: GPTPlan, batch: int) -> None:
     for failed, message in checks:
         if failed:
             raise PlanError(message + ".")
+    if plan.pp != "none":
+        try:
+            plan.schedule()
+        except ValueError as err:
+            raise PlanError(str(err)) from None
+
+
+def _pipeline_checks(cfg: GPTConfig, plan: GPTPlan, batch: int) -> list[tuple[Any, str]]:
+    """(failed, message) pairs for the pipeline: a dense decoder of two batch inputs, no
+    ppermute inside a stage (a ring over seq), layers and the local batch that split."""
+    stage, chunks = plan.mesh["stage"], plan.mesh["stage"] * plan.virtual
+    local = batch // max(plan.mesh["data"] * plan.mesh["expert"], 1)
+    if plan.pp == "none":
+        return [(stage > 1, f"The mesh has stage={stage}; give --pp (gpipe, 1f1b, ...)")]
+    return [
+        (plan.pp not in schedules.SCHEDULES,
+         f"--pp must be one of {', '.join(schedules.SCHEDULES)}, got {plan.pp!r}"),
+        (cfg.experts is not None, "The MoE decoder does not pipeline yet (its aux losses and "
+         "routing metrics leave the stages); pipeline the dense gpt"),
+        (cfg.documents, "Packed documents do not pipeline yet (a stage takes two batch inputs)"),
+        (plan.core == "ring" and plan.mesh["seq"] > 1, "A ring over seq cannot run inside a "
+         "pipeline stage (its ppermute spans every stage); give --sp ulysses"),
+        (cfg.layers % chunks, f"layers={cfg.layers} do not split into stage×virtual={chunks} "
+         "chunks"),
+        (local % plan.microbatches, f"The data-local batch ({local}) is not divisible by "
+         f"--microbatches {plan.microbatches}"),
+    ]  # fmt: skip
 
 
 # --8<-- [start:axes]
@@ -146,13 +187,15 @@ def param_axes(experts: bool = False) -> dict[str, Any]:
             "norm": ("embed",)}  # fmt: skip
 
 
-def rules(n_model: int, kv_heads: int, fsdp: bool) -> dict[str, str]:
+def rules(n_model: int, kv_heads: int, fsdp: bool, pipelined: bool = False) -> dict[str, str]:
     """Heads, MLP and vocabulary over model; KV heads too unless model outnumbers them
     (then they stay whole and ``kv_repeat`` picks each device's one); experts over expert;
-    ``fsdp``: embed over data."""
+    ``fsdp``: embed over data; ``pipelined``: the stacked layers over stage."""
     out = {"heads": "model", "mlp": "model", "vocab": "model", "expert": "expert"}
     if n_model <= kv_heads:
         out["kv_heads"] = "model"
+    if pipelined:
+        out["layers"] = "stage"
     return {**out, "embed": "data"} if fsdp else out
 
 
@@ -291,9 +334,9 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
         counts = jnp.concatenate([aux.tokens_per_expert, aux.dropped[None]])
         return out, ALPHA * aux.load_balance + BETA * aux.router_z, counts
 
-    def loss_local(p, x, y, seg=None, pos=None):  # this device's share (and the MoE metrics)
+    def blocks(h, stacked, seg=None, pos=None):  # the layers: (h, per-layer aux and counts)
         if pos is None:  # GLOBAL positions; packed documents: from each one's start (data)
-            pos = layouts.local_positions(plan.layout, sp, x.shape[1])
+            pos = layouts.local_positions(plan.layout, sp, h.shape[1])
         rope, core = lm.rope(pos), causal_core(seg)
 
         @remat.block  # the plan's remat; a forgotten row-parallel reduction named at trace time
@@ -304,10 +347,15 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
             z, aux, counts = mlp(lm.rms_norm(h, b["norm2"]), b["mlp"])
             return h + z, (aux, counts)
 
-        h, (aux, counts) = jax.lax.scan(block, lm.vocab_embed(x, p["embed"], tp), p["blocks"])
+        return jax.lax.scan(block, h, stacked)
+
+    def ce_share(p, h, y, micro=1):  # this device's share of the mean cross-entropy
         logits = lm.vocab_logits(lm.rms_norm(h, p["norm"]), p["head"], tp)  # [b, t, V/n]
-        ce = lm.vocab_cross_entropy(logits, y, tp)
-        share = ce.sum() / targets(y)
+        return lm.vocab_cross_entropy(logits, y, tp).sum() / (targets(y) * micro)
+
+    def loss_local(p, x, y, seg=None, pos=None):  # this device's share (and the MoE metrics)
+        h, (aux, counts) = blocks(lm.vocab_embed(x, p["embed"], tp), p["blocks"], seg, pos)
+        share = ce_share(p, h, y)
         if cfg.experts is None:
             return share
         return share + aux.sum(), _moe_metrics(cfg, counts, y.size * mesh.size // n_model)
@@ -317,12 +365,22 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
             return y.size * mesh.shape["data"] * mesh.shape["expert"] * n_seq
         return jax.lax.psum(lm.valid_count(y), tuple(a for a in token_split if mesh.shape[a] > 1))
 
+    pipeline = None
+    if plan.pp != "none":  # the embedding on the first stage, the norm, head and loss on the last
+        pipeline = staged.Stages(
+            plan.schedule(),
+            lambda p, x: lm.vocab_embed(x, p["embed"], tp),
+            lambda chunk, h: blocks(h, chunk)[0],
+            functools.partial(ce_share, micro=plan.microbatches),
+            "blocks", embed=("embed",), head=("norm", "head"),
+        )  # fmt: skip
     token_split, tokens = ("data", "expert", "seq"), P(("data", "expert"), "seq")
     return ShardedModel(mesh, param_axes(cfg.experts is not None),
-                        rules(n_model, cfg.kv_heads, plan.fsdp), loss_local,
+                        rules(n_model, cfg.kv_heads, plan.fsdp, pipeline is not None),
+                        None if pipeline else loss_local,
                         batch_specs=(tokens,) * (4 if cfg.documents else 2),
-                        token_axes=("expert", "seq"),
-                        aux=cfg.experts is not None, remat=plan.remat)  # fmt: skip
+                        token_axes=("expert", "seq"), aux=cfg.experts is not None,
+                        remat=plan.remat, pipeline=pipeline)  # fmt: skip
 
 
 # --8<-- [end:sharded]

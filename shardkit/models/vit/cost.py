@@ -38,7 +38,8 @@ Pipeline   (``plan.pp``; S stages, M microbatches, V chunks per stage, A_m = (b/
           tick the engine sends in (``pipeline.Tables.sent``; GPipe 2(M+S−2)·A_m); ONE
           all-reduce over stage of the embedding's and the head's gradients and the loss; the
           layer terms above for M·l/S layers of b/M examples (the same bytes as l/S layers of
-          b), zb's W repeating the backward's; pooling on the last stage only. Terms are per
+          b), under every schedule (zb's B and W share them out); pooling on the last stage
+          only. Terms are per
           stage (``expected(..., stage=s)``; ``_pipeline_terms`` says why each is needed).
 Clipping (``clip=True``): one scalar all-reduce over the whole mesh for the global norm.
 Compositions add: every term depends only on the axes it uses.
@@ -201,11 +202,9 @@ def _pipeline_terms(g: Geometry, stage: int) -> list[Term]:
     microbatch.
     Layers: each stage runs its l/S layers forward on M microbatches of b/M examples and
     backward on each, so every per-layer term is that of M·l/S layers at batch b/M (the same
-    bytes as l/S layers at b); zb's W pass re-runs the backward's collectives (the weight
-    gradients need the cotangents inside the chunk, and each of them a collective), so its
-    backward and recompute terms appear twice — except on stage 0, whose B computes only the
-    first chunk's input gradient, which nothing but the embedding's weight gradient (in W)
-    reads: XLA removes that B whole.
+    bytes as l/S layers at b). zb splits each backward into B and W (``pipeline.split``):
+    every collective of the backward runs once, in B when the input gradient needs it (all of
+    them here: each feeds the cotangent chain), so its terms are 1F1B's.
     Ends: the loss, the embedding's and the head's gradients are summed over stage once (ONE
     all-reduce; only the first and the last stage add to them); the pooled features are
     summed over the token axes on the last stage only, once per microbatch.
@@ -217,12 +216,6 @@ def _pipeline_terms(g: Geometry, stage: int) -> list[Term]:
     depth = g.cfg.depth // stages * micro
     gm = dataclasses.replace(g, cfg=dataclasses.replace(g.cfg, depth=depth), batch=g.batch // micro)
     layers = _layer_terms(gm)
-    if plan.pp == "zb" and stage > 0:  # stage 0's B is dead: only W needs chunk 0's dx
-        layers += [
-            dataclasses.replace(t, phase="weights (W)")
-            for t in layers
-            if t.phase in ("backward", "recompute")
-        ]
     sent_x, sent_dy = pipeline.tables(schedule(plan)).sent()
     act = gm.b * g.t * g.cfg.dim * WORD
     permute = functools.partial(term, g, "collective-permute", ["stage"])  # +1 / −1 below

@@ -4,8 +4,8 @@ and AdamW update; compiled, never run), measure it (``comm.ledger``) and set it 
 
 ``inspect(cfg, plan, batch)`` is ``shardkit inspect``; ``model_report`` reports an existing
 model (the one ``verify`` just ran); ``report_of`` builds the report of a measured ledger, one
-per stage under a pipeline (``stage_ledger`` counts each branch collective by the ticks a stage
-spends in it).
+per stage under a pipeline (``staged.stage_ledger`` counts each branch collective by the ticks a
+stage spends in it).
 
 Arguments are abstract (``jax.ShapeDtypeStruct`` carrying the shardings ``ShardedViT.shard``
 and ``init_opt_state`` would give), so no params are drawn and no array is allocated: the
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -30,12 +29,11 @@ import vit_ref
 from shardkit.comm.ledger import Ledger, Narrowing, measure, widened
 from shardkit.comm.report import Report
 from shardkit.mesh import Plan
+from shardkit.models.staged import stage_ledger
 from shardkit.models.vit import cost
 from shardkit.models.vit.model import ShardedViT
 from shardkit.models.vit.plan import schedule
 from shardkit.parallel import data as dp
-from shardkit.parallel import pipeline
-from shardkit.parallel.pipeline.schedules import Schedule
 
 
 def default_optimizer() -> optax.GradientTransformation:
@@ -118,43 +116,6 @@ def report_of(
         for s in range(sched.stages)
     ]
     return dataclasses.replace(reports[-1], others=tuple(enumerate(reports[:-1])))
-
-
-# A collective inside a branch: its op_name holds the engine's segment scope, then its branch's.
-_BRANCH = re.compile(
-    pipeline.SEGMENT_SCOPE.format(r"(\d+)")
-    + "/(?:.*/)?"
-    + pipeline.BRANCH_SCOPE.format(r"(\d+)")
-    + "/"
-)
-
-
-def stage_ledger(ledger: Ledger, sched: Schedule, stage: int) -> Ledger:
-    """``ledger`` as one stage's device runs it: a collective inside a schedule branch counts
-    the ticks this stage spends in that branch, not every tick of its segment (the ledger
-    counts every branch of a conditional as if it ran; ``pipeline.branch_runs``).
-
-    Raises:
-      ValueError: a branch collective's count is not a multiple of its segment's length (XLA
-        restructured the tick loop, so the per-stage count cannot be read).
-    """
-    runs = pipeline.branch_runs(sched)
-    out = []
-    for c in ledger.collectives:
-        match = _BRANCH.search(c.op_name)
-        if match:
-            k, b = int(match.group(1)), int(match.group(2))
-            length = int(runs[(k, -1)][stage])
-            if c.count % length:
-                raise ValueError(
-                    f"Collective {c.name} in pipeline segment {k} runs {c.count} times, not a "
-                    f"multiple of the segment's {length} ticks."
-                )
-            ran = int(runs[(k, b)][stage]) if (k, b) in runs else 0
-            c = dataclasses.replace(c, count=c.count // length * ran)
-        if c.count:
-            out.append(c)
-    return dataclasses.replace(ledger, collectives=tuple(out))
 
 
 def inspect(

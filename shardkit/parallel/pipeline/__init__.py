@@ -1,8 +1,9 @@
 """Pipeline parallelism: schedules as data, their tables, and the engine that runs them.
 
-Three modules: ``schedules`` (GPipe, 1F1B, interleaved, ZB-H1 as grids of actions),
-``tables`` (a schedule compiled into static int32 tables: actions and buffer slots) and
-``engine`` (``pipeline_grads`` / ``pipeline_forward``: the traced scan over those tables inside
+Four modules: ``schedules`` (GPipe, 1F1B, interleaved, ZB-H1 as grids of actions),
+``tables`` (a schedule compiled into static int32 tables: actions and buffer slots), ``split``
+(a chunk's backward cut into its input-gradient and weight-gradient halves) and ``engine``
+(``pipeline_grads`` / ``pipeline_forward``: the traced scan over those tables inside
 ``shard_map``). This package re-exports their public names.
 
 Model-agnostic: a chunk is any ``stage_fn(chunk_params, x) -> y`` with y typed like x; an
@@ -21,9 +22,13 @@ last chunk (``loss_fn(loss_params, y, target) -> scalar``). Per device s of the 
      taken at once and dy goes to this device's own cotangent inbox.
   B  the vjp rebuilt from the stash, applied to dy from the inbox: dx is sent to the previous
      stage (−1); unsplit schedules take the weight gradient here too (chunk 0: and the
-     embedding's, by its vjp re-run on the microbatch's input).
-  W  (split schedules) the same vjp, for the weights only: XLA drops the unused half of each
-     branch, so B computes only the input gradient and W only the weight gradient.
+     embedding's, by its vjp re-run on the microbatch's input). Split schedules (ZB-H1) run
+     only the backward's input-gradient half (``split.SplitBackward``: the equations dx
+     depends on) and put what the other half reads (the cotangents at each weight's use, and
+     dx) in a W-stash slot.
+  W  (split schedules) the other half, from the W stash, the residuals and dy: the weight
+     gradients only. No equation runs in both, so ZB-H1's step does 1F1B's matmuls (the
+     compiled count: ``comm.ledger.Ledger.flops``), not one more backward per microbatch.
 
 Collectives inside a chunk (or the embedding, or the loss) run inside the branch of the stage
 that runs it, while the other stages run other branches. A collective whose device groups lie
@@ -35,18 +40,18 @@ CPU: wrong values, no error). The engine refuses such a function in one sentence
 (``_check_no_permutes``); ring attention inside a pipeline stage is therefore refused, and
 Ulysses is the sequence-parallel core that composes.
 
-Buffers hold only what the schedule keeps in flight: the stash, the activation inbox and the
-cotangent inbox each have as many slots as the busiest stage's most simultaneously live
-entries (``tables``: slots assigned statically by interval colouring), so 1F1B's stash has S
-slots whatever M is, while GPipe's has M. The SPMD program is the same on every device, so
-every device allocates the busiest stage's slots. Idle ticks compute nothing (``lax.switch``
-to an identity branch); buffers start at zeros and no unwritten slot is ever read (the
-``poison`` test). The scan is split into segments by send pattern (``Tables.segments``: the
-steady state, from the first cotangent send to the last activation send, is one segment that
-sends both ways), and each tick of a segment runs one ``ppermute`` of one microbatch activation
-in each direction it uses; a segment compiles only the branches it runs. Collectives inside a
-branch carry the segment's and the branch's named scopes, so a ledger can count them per stage
-(``branch_runs``).
+Buffers hold only what the schedule keeps in flight: the stash, the activation inbox, the
+cotangent inbox and the W stash each have as many slots as the busiest stage's most
+simultaneously live entries (``tables``: slots assigned statically by interval colouring), so
+1F1B's stash has S slots whatever M is, while GPipe's has M. The SPMD program is the same on
+every device, so every device allocates the busiest stage's slots. Idle ticks compute nothing
+(``lax.switch`` to an identity branch); buffers start at zeros and no unwritten slot is ever
+read (the ``poison`` test). The scan is split into segments by send pattern
+(``Tables.segments``: the steady state, from the first cotangent send to the last activation
+send, is one segment that sends both ways), and each tick of a segment runs one ``ppermute`` of
+one microbatch activation in each direction it uses; a segment compiles only the branches it
+runs. Collectives and matmuls inside a branch carry the segment's and the branch's named
+scopes, so a ledger can count them per stage (``branch_runs``, ``staged.stage_ledger``).
 """
 
 from shardkit.parallel.pipeline import schedules

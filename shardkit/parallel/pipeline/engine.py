@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardkit.parallel.pipeline.schedules import Schedule
+from shardkit.parallel.pipeline.split import SplitBackward
 from shardkit.parallel.pipeline.tables import (
     BRANCH_SCOPE,
     IDLE,
@@ -100,9 +101,15 @@ def pipeline_grads(
     tab = tables(schedule)
     fill = np.nan if poison else 0.0
     state = _initial_state(tab, stage_params, ends, x0, act_axes, (leaves, keep), fill)
+    split = None
+    if schedule.split:
+        dy0 = _like(y0, state["dy_box"])
+        split = SplitBackward(lambda res, dy: jax.tree.unflatten(vjp_def, res)(dy), leaves, dy0)
+        dx0, cut0 = split.input_grad(leaves, dy0)
+        state["w_stash"] = [_buffer(tab.w_slots, vary(a, act_axes), fill) for a in [*cut0, dx0]]
     stage = jax.lax.axis_index(axis)
     ctx = _Context(schedule, stage_fn, stage_params, ends, inputs, targets, axis, stage,
-                   vjp_def, keep)  # fmt: skip
+                   vjp_def, keep, split)  # fmt: skip
     state = _run_segments(ctx, tab, state)
     ends_sums = (state["loss"], state["embed_grads"], state["loss_grads"])
     loss, embed_grads, loss_grads = jax.lax.psum(ends_sums, axis)
@@ -211,6 +218,7 @@ class _Context:
     stage: jax.Array
     vjp_def: Any
     keep: tuple[int, ...]  # per vjp leaf: chunk param index, or −1 (stashed)
+    split: SplitBackward | None  # split schedules: the backward cut into B and W
 
 
 def _tick_body(ctx: _Context, send_x: bool, send_dy: bool, used: list[int]) -> Callable[..., Any]:
@@ -289,40 +297,57 @@ def _forward(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, las
     return state, zeros, zeros
 
 
-def _rebuilt_vjp(ctx: _Context, state: dict[str, Any], row: Row) -> Any:
+def _vjp_leaves(ctx: _Context, state: dict[str, Any], row: Row) -> list[Any]:
+    """The chunk's vjp leaves: its params, and the residuals its F stashed."""
     params = jax.tree.leaves(_chunk(ctx, row))
     stored = iter(buf[jnp.maximum(row["stash"], 0)] for buf in state["stash"])
-    leaves = [next(stored) if k < 0 else params[k] for k in ctx.keep]
-    return jax.tree.unflatten(ctx.vjp_def, leaves)
+    return [next(stored) if k < 0 else params[k] for k in ctx.keep]
 
 
 def _backward(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, last: bool) -> Branch:
-    """B: the input gradient sent back (chunk 0: into the embedding); unsplit schedules also
-    take the weight gradient here."""
-    weights = not ctx.schedule.split
-    return _apply_vjp(ctx, state, row, first=first, weights=weights, send=not first)
-
-
-def _weights(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, last: bool) -> Branch:
-    """W (split schedules): the weight gradient of a chunk whose B already ran."""
-    return _apply_vjp(ctx, state, row, first=first, weights=True, send=False)
-
-
-def _apply_vjp(
-    ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, weights: bool, send: bool
-) -> Branch:
+    """B: the input gradient sent back (chunk 0: into the embedding). Unsplit schedules take
+    the weight gradient here too; split ones run only the backward's input-gradient half and
+    stash what W needs (``split.SplitBackward``)."""
     state = dict(state)
     zeros = jnp.zeros_like(state["recv_x"])
     dy = state["dy_box"][jnp.maximum(row["dy_in"], 0)]
-    dp, dx = _rebuilt_vjp(ctx, state, row)(dy)
-    if weights:
-        state["grads"] = jax.tree.map(
-            lambda acc, g: acc.at[row["virtual"]].add(_like(g, acc)), state["grads"], dp
-        )
-        if first:  # the embedding's weights: its vjp re-run on this microbatch's input
-            (d_embed,) = _embed(ctx, row)[1](_like(dx, zeros))
-            state["embed_grads"] = _add(state["embed_grads"], d_embed)
-    return state, zeros, _like(dx, zeros) if send else zeros
+    leaves = _vjp_leaves(ctx, state, row)
+    if ctx.split is None:
+        dp, dx = jax.tree.unflatten(ctx.vjp_def, leaves)(dy)
+        state = _weight_grads(ctx, state, row, dp, dx, first=first)
+    else:
+        dx, cut = ctx.split.input_grad(leaves, dy)
+        state["w_stash"] = [
+            _store(buf, row["w_stash"], value)
+            for buf, value in zip(state["w_stash"], [*cut, dx], strict=True)
+        ]
+    return state, zeros, zeros if first else _like(dx, zeros)
+
+
+def _weights(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, last: bool) -> Branch:
+    """W (split schedules): the weight gradient of a chunk whose B already ran, from B's cut."""
+    assert ctx.split is not None
+    state = dict(state)
+    zeros = jnp.zeros_like(state["recv_x"])
+    dy = state["dy_box"][jnp.maximum(row["dy_in"], 0)]
+    *cut, dx = (buf[jnp.maximum(row["w_stash"], 0)] for buf in state["w_stash"])
+    dp = ctx.split.weight_grad(_vjp_leaves(ctx, state, row), dy, cut=cut)
+    return _weight_grads(ctx, state, row, dp, dx, first=first), zeros, zeros
+
+
+def _weight_grads(
+    ctx: _Context, state: dict[str, Any], row: Row, dp: Any, dx: jax.Array, *, first: bool
+) -> dict[str, Any]:
+    """state with the chunk's weight gradient ``dp`` added (chunk 0: and the embedding's, by
+    its vjp re-run on this microbatch's input, applied to ``dx``)."""
+    state = dict(state)
+    state["grads"] = jax.tree.map(
+        lambda acc, g: acc.at[row["virtual"]].add(_like(g, acc)), state["grads"], dp
+    )
+    if first:
+        (d_embed,) = _embed(ctx, row)[1](_like(dx, state["recv_x"]))
+        state["embed_grads"] = _add(state["embed_grads"], d_embed)
+    return state
 
 
 def _scoped(branch: Callable[..., Branch], index: int) -> Callable[..., Branch]:

@@ -35,7 +35,8 @@ class Tables:
 
     branch: ``branch_index`` of the action (0: idle); micro, virtual: the action's
     microbatch and chunk-on-device; stash, x_in, dy_in: the slot the action reads or writes
-    (−1: none); x_arrive, dy_arrive: the slot the value received at this tick's start is
+    (−1: none); w_stash: the slot B writes and W reads (split schedules: what B computed
+    that W needs); x_arrive, dy_arrive: the slot the value received at this tick's start is
     stored in (−1: nothing arrives). sends_x / sends_dy [ticks]: some stage sends.
     """
 
@@ -45,6 +46,7 @@ class Tables:
     stash: np.ndarray
     x_in: np.ndarray
     dy_in: np.ndarray
+    w_stash: np.ndarray
     x_arrive: np.ndarray
     dy_arrive: np.ndarray
     sends_x: np.ndarray
@@ -52,9 +54,11 @@ class Tables:
     stash_slots: int
     x_slots: int
     dy_slots: int
+    w_slots: int
 
     def rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
-        names = ("branch", "micro", "virtual", "stash", "x_in", "dy_in", "x_arrive", "dy_arrive")
+        names = ("branch", "micro", "virtual", "stash", "x_in", "dy_in", "w_stash", "x_arrive",
+                 "dy_arrive")  # fmt: skip
         return {name: getattr(self, name)[start:stop] for name in names}
 
     def segments(self) -> list[tuple[int, int, bool, bool]]:
@@ -105,21 +109,24 @@ def tables(schedule: Schedule) -> Tables:
             if a is not None:
                 when[(a.kind, a.virtual * S + stage, a.micro)] = tick
     last_use = "W" if schedule.split else "B"
-    stash, x_box, dy_box = {}, {}, {}  # (chunk, micro) -> (stage, first tick, last tick)
+    stash, x_box, dy_box, w_box = {}, {}, {}, {}  # (chunk, micro) -> (stage, first, last tick)
     for (kind, c, m), tick in when.items():
         if kind != "F":
             continue
         stash[(c, m)] = (c % S, tick, when[(last_use, c, m)])
+        if schedule.split:
+            w_box[(c, m)] = (c % S, when[("B", c, m)], when[("W", c, m)])
         if c > 0:  # arrives the tick after F on the previous chunk
             x_box[(c, m)] = (c % S, when[("F", c - 1, m)] + 1, tick)
         start = tick if c == C - 1 else when[("B", c + 1, m)] + 1
         dy_box[(c, m)] = (c % S, start, when[(last_use, c, m)])
-    slots = {name: _colour(box) for name, box in (("stash", stash), ("x", x_box), ("dy", dy_box))}
+    boxes = {"stash": stash, "x": x_box, "dy": dy_box, "w": w_box}
+    slots = {name: _colour(box) for name, box in boxes.items()}
 
     def table(fill: int = -1) -> np.ndarray:
         return np.full((T, S), fill, np.int32)
 
-    t = {k: table() for k in ("stash", "x_in", "dy_in", "x_arrive", "dy_arrive")}
+    t = {k: table() for k in ("stash", "x_in", "dy_in", "w_stash", "x_arrive", "dy_arrive")}
     branch, micro, virtual = table(IDLE), table(0), table(0)
     for (kind, c, m), tick in when.items():
         s, v = c % S, c // S
@@ -127,6 +134,8 @@ def tables(schedule: Schedule) -> Tables:
         branch[tick, s] = branch_index(kind, c == 0, c == C - 1)
         t["stash"][tick, s] = slots["stash"][(c, m)]
         t["dy_in"][tick, s] = slots["dy"][(c, m)]
+        if kind in "BW" and schedule.split:
+            t["w_stash"][tick, s] = slots["w"][(c, m)]
         if kind == "F" and c > 0:
             t["x_in"][tick, s] = slots["x"][(c, m)]
     for (c, m), (s, start, _) in x_box.items():
@@ -141,8 +150,8 @@ def tables(schedule: Schedule) -> Tables:
         sends_dy[tick] |= kind == "B" and c > 0
     sizes = {name: 1 + max(v.values(), default=0) for name, v in slots.items()}
     return Tables(
-        branch, micro, virtual, t["stash"], t["x_in"], t["dy_in"], t["x_arrive"], t["dy_arrive"],
-        sends_x, sends_dy, sizes["stash"], sizes["x"], sizes["dy"],
+        branch, micro, virtual, t["stash"], t["x_in"], t["dy_in"], t["w_stash"], t["x_arrive"],
+        t["dy_arrive"], sends_x, sends_dy, sizes["stash"], sizes["x"], sizes["dy"], sizes["w"],
     )  # fmt: skip
 
 
