@@ -408,7 +408,7 @@ def run_launch(args: argparse.Namespace) -> int:
 
 
 VIT_ONLY = (*MODEL_FLAGS, "variant", "pool", "posemb", "dtype", "precision", "ulysses", "zero",
-            "layers", "pp", "microbatches", "virtual", "overlap", "hlo", "plot", "target",
+            "layers", "overlap", "hlo", "plot", "target",
             "resume", "checkpoint_every", "keep", "eval_every", "cache", "data", "chip",
             "batches", "remats", "attention", "tokens", "ring")  # fmt: skip
 LM_ONLY = ("--experts", "--top-k", "--capacity-factor", "--documents")
@@ -432,9 +432,10 @@ def run_lm(args: argparse.Namespace) -> int:
     setup_devices(args.devices)
     cfg = lm.config(args.model, args.experts, args.top_k, args.capacity_factor, args.documents)
     batch = args.batch or LM_BATCH * (2 if args.command != "train" else 1)
-    given_plan = args.mesh or args.sp or args.fsdp or args.remat
+    given_plan = args.mesh or args.sp or args.fsdp or args.remat or args.pp
     kernel, mesh = args.kernel or "auto", args.mesh or f"data={args.devices}"
-    plan = lm.plan(mesh, args.sp, args.fsdp, args.remat or "none", kernel)
+    pp = (args.pp or "none", args.microbatches or 1, args.virtual or 1)
+    plan = lm.plan(mesh, args.sp, args.fsdp, args.remat or "none", kernel, pp)
     if args.command == "verify":
         plans = {"custom": plan} if given_plan else lm.default_plans(cfg, kernel)
         return 0 if lm.verify(cfg, plans, batch, as_json=args.json) else 1

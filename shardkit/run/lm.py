@@ -16,6 +16,7 @@ A plan is a mesh, a sequence core (``--sp ring``: the causal ring in the zigzag 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -31,7 +32,7 @@ from shardkit import testing
 from shardkit.comm import ledger
 from shardkit.comm.report import Report
 from shardkit.mesh import PlanError, format_mesh, make_mesh, parse_mesh
-from shardkit.models import gpt
+from shardkit.models import gpt, staged
 from shardkit.models.sharded import ShardedModel
 from shardkit.parallel import moe
 from shardkit.parallel.sequence import layouts
@@ -78,10 +79,15 @@ def config(
 
 
 def plan(
-    mesh: str, sp: str | None, fsdp: bool, remat: str = "none", kernel: str = "auto"
+    mesh: str,
+    sp: str | None,
+    fsdp: bool,
+    remat: str = "none",
+    kernel: str = "auto",
+    pp: tuple[str, int, int] = ("none", 1, 1),
 ) -> gpt.GPTPlan:
-    """A plan from ``--mesh``, ``--sp`` (none, ring, ulysses), ``--fsdp``, ``--remat`` and
-    ``--kernel``."""
+    """A plan from ``--mesh``, ``--sp`` (none, ring, ulysses), ``--fsdp``, ``--remat``,
+    ``--kernel`` and ``pp``: (``--pp``, ``--microbatches``, ``--virtual``)."""
     shape = parse_mesh(mesh)
     sp = sp or ("ring" if shape["seq"] > 1 else "none")
     if sp not in SP_CORES:
@@ -90,7 +96,7 @@ def plan(
         raise PlanError(f"The mesh has seq={shape['seq']}; give --sp ring or ulysses.")
     core, layout = SP_CORES[sp]
     layout = layout if shape["seq"] > 1 else "contiguous"
-    return gpt.GPTPlan(shape, layout, core, fsdp, remat, kernel)
+    return gpt.GPTPlan(shape, layout, core, fsdp, remat, kernel, *pp)
 
 
 def default_plans(cfg: gpt.GPTConfig, kernel: str = "auto") -> dict[str, gpt.GPTPlan]:
@@ -212,10 +218,24 @@ def inspect(cfg: gpt.GPTConfig, p: gpt.GPTPlan, batch: int, *, as_json: bool = F
             return json.dumps({"model": model_name(cfg), **measured.to_json(), "note": note,
                                **routing})  # fmt: skip
         return ledger.format_table(measured) + f"\n({note})" + _routing_line(routing)
-    report = Report(measured, expectation)
+    report = _per_stage(cfg, p, batch, local, measured) if p.pp != "none" else None
+    report = report or Report(measured, expectation)
     if as_json:
         return json.dumps({**report.to_json(), **routing})
     return report.format() + _routing_line(routing)
+
+
+def _per_stage(
+    cfg: gpt.GPTConfig, p: gpt.GPTPlan, batch: int, local: int, measured: ledger.Ledger
+) -> Report:
+    """A pipeline's report: each stage's ledger (``staged.stage_ledger``) against its own
+    expectation; the last stage shown, the others checked too."""
+    reports = []
+    for stage in range(p.mesh["stage"]):
+        expectation = gpt.expectation(cfg, p, batch, local, stage)
+        assert expectation is not None
+        reports.append(Report(staged.stage_ledger(measured, p.schedule(), stage), expectation))
+    return dataclasses.replace(reports[-1], others=tuple(enumerate(reports[:-1])))
 
 
 def _routing(model: ShardedModel, params: Any, inputs: tuple[jax.Array, ...]) -> dict[str, Any]:

@@ -16,9 +16,18 @@ Per step, with b·t local tokens of width D (w = 4 bytes, float32), L layers:
   FSDP        every leaf has an embed dim, so every leaf is split over data: one all-gather
               over data per bucket forward, its reduce-scatter backward, (n−1)/n · the
               gathered bytes each (two buckets with TP: the leaves varying over model and the
-              rest); the reduce-scatter sums over data, so the gradients' all-reduce spans
-              expert × seq only (the experts': seq only) and the loss goes alone, or with the
-              gradient norm when its axes are every axis (one op of 2·w)
+              rest; twice as many under a pipeline: the stage's layers and the ends); the
+              reduce-scatter sums over data, so the gradients' all-reduce spans expert × seq
+              only (the experts': seq only) and the loss goes alone, or with the gradient norm
+              when its axes are every axis (one op of 2·w)
+
+  stage (pp)  per device of stage s, with M microbatches of b/M: one collective-permute of a
+              microbatch activation (b/M)·t·D·w per tick sending it on and per tick sending its
+              cotangent back (``pipeline.Tables.sent``); the layer terms of M·L/S layers at b/M
+              (the bytes of L/S layers at b); the embedding's g on stage 0 only and the head's
+              f with the cross-entropy's reductions on the last stage only, once per
+              microbatch; ONE all-reduce over stage of the embedding's, the norm's and the
+              head's gradients and the loss; the gradient norm over every axis, stage too
 
 The Ulysses core and remat have no terms here (``expected`` returns None for them: under
 remat the blocks' collectives re-run in the backward).
@@ -33,6 +42,7 @@ from typing import Any
 from shardkit.comm import contract
 from shardkit.comm.terms import Expectation, Term
 from shardkit.models.gpt.model import GPTConfig, GPTPlan
+from shardkit.parallel import pipeline
 from shardkit.parallel.moe import MoE
 
 W = 4  # float32 bytes
@@ -63,16 +73,19 @@ class GPTExpectation(Expectation):
 
 
 def expectation(
-    cfg: GPTConfig, plan: GPTPlan, batch: int, local_params: int
+    cfg: GPTConfig, plan: GPTPlan, batch: int, local_params: int, stage: int | None = None
 ) -> GPTExpectation | None:
     """``expected`` as the ``Expectation`` a ``comm.report.Report`` compares with."""
-    terms = expected(cfg, plan, batch, local_params)
+    terms = expected(cfg, plan, batch, local_params, stage)
     return None if terms is None else GPTExpectation(tuple(terms), cfg, plan, batch)
 
 
-def expected(cfg: GPTConfig, plan: GPTPlan, batch: int, local_params: int) -> list[Term] | None:
+def expected(
+    cfg: GPTConfig, plan: GPTPlan, batch: int, local_params: int, stage: int | None = None
+) -> list[Term] | None:
     """The collectives of one train step clipped by its global norm (None: the Ulysses core,
-    or remat); ``local_params``: the elements of params one device holds."""
+    or remat); ``local_params``: the elements of params one device holds; ``stage``: under a
+    pipeline, the stage whose device is expected (default: the last)."""
     mesh = plan.mesh
     if (plan.core != "ring" and mesh["seq"] > 1) or plan.remat != "none":
         return None
@@ -80,7 +93,9 @@ def expected(cfg: GPTConfig, plan: GPTPlan, batch: int, local_params: int) -> li
     b, t, layers = batch // (n_data * n_ep), cfg.tokens // n_seq, cfg.layers
     fsdp = plan.fsdp and n_data > 1
     out = [] if cfg.experts is None else moe_terms(cfg, cfg.experts, mesh, b * t, fsdp)
-    if n_model > 1:
+    if plan.pp != "none":
+        out += _pipeline_terms(cfg, plan, b * t, mesh["stage"] - 1 if stage is None else stage)
+    elif n_model > 1:
         out += _tp_terms(cfg, n_model, b * t)
     if n_seq > 1:  # K, V: n−1 hops forward and again backward; dK, dV: n hops home
         local_kv = max(cfg.kv_heads // n_model, 1)  # kv_repeat: one head per device
@@ -94,8 +109,44 @@ def expected(cfg: GPTConfig, plan: GPTPlan, batch: int, local_params: int) -> li
     if sync:  # every gradient bucket and the loss, combined into one op at the step's end
         size = (local_params - experts + 1) * W
         out.append(contract.all_reduce(sync, size, n_data * n_ep * n_seq, 1, "gradients + loss"))
-    every = _axes(mesh, ("data", "expert", "seq", "model"))
+    every = _axes(mesh, ("data", "stage", "expert", "seq", "model"))
     out.append(contract.all_reduce(every, W, math.prod(mesh.values()), 1, "gradient norm"))
+    return out
+
+
+def _pipeline_terms(cfg: GPTConfig, plan: GPTPlan, tokens: int, stage: int) -> list[Term]:
+    """One stage's device under the pipeline (module docstring): the activation and cotangent
+    permutes, its layers' TP terms at M microbatches, the ends' TP terms where they run, and
+    the ends' gradients and loss summed over stage."""
+    mesh, micro = plan.mesh, plan.microbatches
+    stages, n_model, vocab = mesh["stage"], mesh["model"], cfg.vocab // mesh["model"]
+    act = tokens // micro * cfg.dim * W
+    sent_x, sent_dy = pipeline.tables(plan.schedule()).sent()
+    ends = 2 * vocab * cfg.dim + cfg.dim + 1  # embed, head, norm (gathered if FSDP), the loss
+    out = [
+        contract.permute("stage", act, sent_x + sent_dy, "activations on, cotangents back",
+                         n=stages),
+        contract.all_reduce("stage", ends * W, stages, 1, "embedding, norm, head grads + loss"),
+    ]  # fmt: skip
+    if n_model == 1:
+        return out
+    layers = 2 * 2 * cfg.layers // stages * micro  # Megatron f, g per region per layer
+    first, last = stage == 0, stage == stages - 1
+    out.append(
+        contract.all_reduce(
+            "model",
+            act,
+            n_model,
+            layers + micro * (first + last),
+            "Megatron f, g; stage 0: the embedding's g; last: the head's f",
+        )
+    )
+    if last:
+        per_token = tokens // micro * W
+        out += [
+            contract.all_reduce("model", per_token, n_model, micro, "cross-entropy max"),
+            contract.all_reduce("model", 2 * per_token, n_model, micro, "Σ exp, target"),
+        ]
     return out
 
 
@@ -104,7 +155,9 @@ def _fsdp_terms(mesh: dict[str, int], local_params: int, dense_local: int) -> li
     sync (``dense_local``: one device's elements of the non-expert leaves), the loss, the
     gradient norm."""
     n_data = mesh["data"]
-    buckets = 2 if mesh["model"] > 1 else 1  # varying over model, or not
+    # one bucket per varying type: over model or not; under a pipeline, over stage (the
+    # layers) or not (the ends)
+    buckets = (2 if mesh["model"] > 1 else 1) * (2 if mesh["stage"] > 1 else 1)
     gathered = local_params * n_data * W / buckets
     out = [
         contract.all_gather("data", gathered, n_data, buckets, "params, per bucket"),

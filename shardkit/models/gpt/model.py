@@ -152,10 +152,13 @@ def _pipeline_checks(cfg: GPTConfig, plan: GPTPlan, batch: int) -> list[tuple[An
     stage, chunks = plan.mesh["stage"], plan.mesh["stage"] * plan.virtual
     local = batch // max(plan.mesh["data"] * plan.mesh["expert"], 1)
     if plan.pp == "none":
-        return [(stage > 1, f"The mesh has stage={stage}; give --pp (gpipe, 1f1b, ...)")]
+        return [(stage > 1, f"The mesh has stage={stage}; give --pp (gpipe, 1f1b, ...)"),
+                (plan.microbatches > 1 or plan.virtual > 1,
+                 "--microbatches and --virtual need a pipeline (--pp)")]  # fmt: skip
     return [
         (plan.pp not in schedules.SCHEDULES,
          f"--pp must be one of {', '.join(schedules.SCHEDULES)}, got {plan.pp!r}"),
+        (stage == 1, f"--pp {plan.pp} needs a stage axis of size > 1 in --mesh (it has stage=1)"),
         (cfg.experts is not None, "The MoE decoder does not pipeline yet (its aux losses and "
          "routing metrics leave the stages); pipeline the dense gpt"),
         (cfg.documents, "Packed documents do not pipeline yet (a stage takes two batch inputs)"),
