@@ -6,6 +6,7 @@ partitioner (``run.bench``; the GPT's: ``run.lm_bench``), one device's training 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -22,7 +23,7 @@ from shardkit.cli import (
     setup_devices,
     with_layers,
 )
-from shardkit.mesh import REMAT_POLICIES
+from shardkit.mesh import REMAT_POLICIES, parse_mesh
 
 
 def add_parser(sub: Any) -> None:
@@ -41,6 +42,9 @@ def add_parser(sub: Any) -> None:
     chip.add_argument("--batches", default="32,64,128,256", help="comma-separated batch sizes")
     chip.add_argument("--remats", default="dots",
                       help=f"comma-separated remat policies of {REMAT_POLICIES}")  # fmt: skip
+    bench.add_argument("--schedules", action="store_true", help="every pipeline schedule on "
+                       "the plan's stage axis: time, bubble, matmul FLOPs (--mesh ...,stage=S "
+                       "--microbatches M)")  # fmt: skip
     att = bench.add_argument_group("one device's attention (--attention)")
     att.add_argument("--attention", action="store_true", help="forward + backward per length, "
                      "shardkit's kernels vs splash and XLA (b 1, 8 heads × 128, bf16)")  # fmt: skip
@@ -96,12 +100,38 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.attention:
         return _run_attention_bench(args)
     setup_devices(args.devices)
+    if args.schedules:
+        return _run_schedules_bench(args)
     cfg = model_config(args, bench.DEFAULT_MODEL)
     cases = _bench_cases(args)
     result = bench.run(cfg, cases, args.batch, args.steps, args.warmup, _progress)
     if args.plot:
         bench.plot(result, args.plot)
     print(json.dumps(result) if args.json else bench.format_table(result, args.markdown))
+    return 0
+
+
+def _run_schedules_bench(args: argparse.Namespace, lm_cfg: Any = None, lm_plan: Any = None) -> int:
+    """``bench --schedules``: every pipeline schedule on the given plan (``run.pipeline_bench``);
+    the ViT's, or the GPT's (``lm_cfg``, ``lm_plan``)."""
+    from shardkit.run import bench, pipeline_bench
+
+    if args.strategies or args.chip:
+        raise UsageError("--schedules times one plan's schedules: give no --strategies or --chip.")
+    if lm_plan is not None:
+        pipeline_bench.check_stages(lm_plan.mesh["stage"])
+        lm_plan = dataclasses.replace(lm_plan, pp=lm_plan.pp if lm_plan.pp != "none" else "gpipe")
+        build, chosen = pipeline_bench.gpt_builder(lm_cfg, lm_plan, args.batch)
+        title = pipeline_bench.title(f"GPT dim {lm_cfg.dim}", lm_plan.mesh, args.batch)
+    else:
+        pipeline_bench.check_stages(parse_mesh(args.mesh)["stage"] if args.mesh else 1)
+        args.pp = args.pp or "gpipe"  # each schedule replaces it
+        plan = plan_from_args(args)
+        cfg = model_config(args, bench.DEFAULT_MODEL)
+        build, chosen = pipeline_bench.vit_builder(cfg, plan, args.batch)
+        title = pipeline_bench.title(f"ViT dim {cfg.dim}", plan.mesh, args.batch)
+    result = pipeline_bench.run(build, chosen, title, args.steps, args.warmup, _progress)
+    print(json.dumps(result) if args.json else pipeline_bench.format_table(result, args.markdown))
     return 0
 
 
@@ -167,6 +197,10 @@ def run_lm_bench(args: argparse.Namespace, cfg: Any, batch: int, plan: Any) -> i
     if plan is not None and args.strategies:
         raise UsageError("give either --strategies or plan options (--mesh ...), not both.")
     cfg = lm_bench.bench_config(cfg)
+    if args.schedules:
+        if plan is None:
+            raise UsageError("--schedules needs a plan with a stage axis (--mesh ...,stage=S).")
+        return _run_schedules_bench(args, dataclasses.replace(cfg, layers=4), plan)
     plans = _chosen(args.strategies, lm.default_plans(cfg)) if plan is None else {"custom": plan}
     result = lm_bench.run(cfg, plans, batch, args.steps, args.warmup, _progress)
     if args.plot:

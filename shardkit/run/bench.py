@@ -302,10 +302,12 @@ COLUMNS = [  # header, key, format
 ]
 
 
-def _cell(value: Any, fmt: str) -> str:
+def cell(value: Any, fmt: str) -> str:
+    """A table cell: ``fmt`` a format string, or a unit (ms, MB, MiB, GFLOP) to scale to."""
     if value is None:  # a contender that failed (named below the table), or nothing to state
         return "-"
-    scale = {"ms": (1e3, "{:.1f}"), "MB": (1e-6, "{:.2f}"), "MiB": (2**-20, "{:.1f}")}
+    scale = {"ms": (1e3, "{:.1f}"), "MB": (1e-6, "{:.2f}"), "MiB": (2**-20, "{:.1f}"),
+             "GFLOP": (1e-9, "{:.3f}")}  # fmt: skip
     if fmt in scale:
         factor, fmt = scale[fmt]
         return fmt.format(value * factor)
@@ -337,7 +339,7 @@ def format_table(
 ) -> str:
     """The rows as a plain-text (or Markdown) table, then the peak and the failures."""
     header = [name for name, _, _ in columns]
-    body = [[_cell(row.get(key), fmt) for _, key, fmt in columns] for row in result["rows"]]
+    body = [[cell(row.get(key), fmt) for _, key, fmt in columns] for row in result["rows"]]
     lines = table_lines(header, body, markdown)
     peak = result["peak_flops_per_s"] / 1e9
     lines.append(
