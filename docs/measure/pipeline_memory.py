@@ -21,7 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 DOCS = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(DOCS.parent / "tests"))
+sys.path.insert(0, str(DOCS.parent / "tests" / "models"))
 import test_vit_pipeline as case  # noqa: E402
 
 MICRO = (2, 4, 8, 16)

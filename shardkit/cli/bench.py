@@ -111,9 +111,11 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_schedules_bench(args: argparse.Namespace, lm_cfg: Any = None, lm_plan: Any = None) -> int:
+def _run_schedules_bench(
+    args: argparse.Namespace, lm_cfg: Any = None, lm_plan: Any = None, lm_batch: int = 0
+) -> int:
     """``bench --schedules``: every pipeline schedule on the given plan (``run.pipeline_bench``);
-    the ViT's, or the GPT's (``lm_cfg``, ``lm_plan``)."""
+    the ViT's, or the GPT's (``lm_cfg``, ``lm_plan`` at ``lm_batch``)."""
     from shardkit.run import bench, pipeline_bench
 
     if args.strategies or args.chip:
@@ -121,8 +123,8 @@ def _run_schedules_bench(args: argparse.Namespace, lm_cfg: Any = None, lm_plan: 
     if lm_plan is not None:
         pipeline_bench.check_stages(lm_plan.mesh["stage"])
         lm_plan = dataclasses.replace(lm_plan, pp=lm_plan.pp if lm_plan.pp != "none" else "gpipe")
-        build, chosen = pipeline_bench.gpt_builder(lm_cfg, lm_plan, args.batch)
-        title = pipeline_bench.title(f"GPT dim {lm_cfg.dim}", lm_plan.mesh, args.batch)
+        build, chosen = pipeline_bench.gpt_builder(lm_cfg, lm_plan, lm_batch)
+        title = pipeline_bench.title(f"GPT dim {lm_cfg.dim}", lm_plan.mesh, lm_batch)
     else:
         pipeline_bench.check_stages(parse_mesh(args.mesh)["stage"] if args.mesh else 1)
         args.pp = args.pp or "gpipe"  # each schedule replaces it
@@ -200,7 +202,7 @@ def run_lm_bench(args: argparse.Namespace, cfg: Any, batch: int, plan: Any) -> i
     if args.schedules:
         if plan is None:
             raise UsageError("--schedules needs a plan with a stage axis (--mesh ...,stage=S).")
-        return _run_schedules_bench(args, dataclasses.replace(cfg, layers=4), plan)
+        return _run_schedules_bench(args, dataclasses.replace(cfg, layers=4), plan, batch)
     plans = _chosen(args.strategies, lm.default_plans(cfg)) if plan is None else {"custom": plan}
     result = lm_bench.run(cfg, plans, batch, args.steps, args.warmup, _progress)
     if args.plot:

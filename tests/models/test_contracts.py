@@ -113,8 +113,8 @@ def test_compositions_meet_their_contracts(name):
 def test_a_pipeline_is_held_to_its_contract_stage_by_stage():
     """Each stage's ledger counts a branch collective by the ticks that stage runs the branch:
     the raw ledger (every branch counted as if it ran every tick) breaks the contract, and
-    where stages differ (zb: stage 0's B is dead code; the last stage pools over seq), the last
-    stage's counts fail stage 0's contract."""
+    where stages differ (the last stage pools over seq), the last stage's counts fail stage 0's
+    contract."""
     rep = case_report("PP 1F1B×DP×TP")
     assert [stage for stage, _ in rep.others] == [0] and rep.contract_ok, rep.mismatches
     mesh = make_mesh(rep.expectation.plan.mesh)
