@@ -15,6 +15,8 @@ Model-free and collective-free: ``comm.ledger`` builds its records from what thi
   ``linked_size``.
 - ``result_shape`` (async starts carry operands too), ``leaves``, ``leaf_bytes``, ``metadata``
   (op_name and ``file:line``, from metadata or the module's stack-frame tables).
+- ``parse_matmuls``: every dot and convolution that runs, its FLOPs (``matmul_flops``) and
+  its executions.
 """
 
 from __future__ import annotations
@@ -460,6 +462,39 @@ def matmul_computations(computations: dict[str, list[Instruction]]) -> set[str]:
 
 
 _MATMULS = ("dot", "convolution")
+
+
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    """One ``dot`` or ``convolution`` of a compiled program (``matmul_flops``).
+
+    flops: per execution, per device; count: executions per call (``executions``: loops by
+    their trip counts, every branch of a conditional as if it ran); op_name: the JAX op that
+    produced it (its named scopes, e.g. a pipeline branch's).
+    """
+
+    name: str
+    op_name: str
+    flops: float
+    count: int
+    count_exact: bool = True
+
+
+def parse_matmuls(text: str) -> list[Matmul]:
+    """Every dot and convolution in compiled HLO text that runs, with its FLOPs and count."""
+    computations, entry = split_computations(text)
+    runs = executions(computations, entry)
+    frames = stack_frames(text)
+    out = []
+    for comp, instructions in computations.items():
+        count, exact = runs.get(comp, (0, True))
+        shapes = {i.name: i.shape for i in instructions}
+        for instr in instructions if count else ():
+            flops = matmul_flops(instr, shapes)
+            if flops is not None:
+                op_name, _ = metadata(instr.attrs, frames)
+                out.append(Matmul(instr.name, op_name, flops, count, exact))
+    return out
 
 
 def matmul_flops(instr: Instruction, shapes: dict[str, str]) -> float | None:

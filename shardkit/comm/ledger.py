@@ -67,7 +67,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from shardkit.comm import hlo
 from shardkit.comm.bytes import sent
-from shardkit.comm.hlo import KINDS
+from shardkit.comm.hlo import KINDS, Matmul, parse_matmuls
 
 __all__ = [
     "GROUPS",
@@ -168,22 +168,6 @@ _CASTS = ("pcast", "pvary")  # an explicit varying cast on the source line: inte
 
 
 NARROW_FLOATS = ("bf16", "f16")
-
-
-@dataclasses.dataclass(frozen=True)
-class Matmul:
-    """One ``dot`` or ``convolution`` of a compiled program (``hlo.matmul_flops``).
-
-    flops: per execution, per device; count: executions per call (as ``Collective.count``:
-    loops by their trip counts, every branch of a conditional as if it ran); op_name: the JAX
-    op that produced it (its named scopes, e.g. a pipeline branch's).
-    """
-
-    name: str
-    op_name: str
-    flops: float
-    count: int
-    count_exact: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,8 +361,8 @@ def ledger_of(compiled: Any, mesh: AnyMesh | None = None) -> Ledger:
             "ledger.measure cannot name the mesh axes of this program's collectives: none of "
             "its inputs or outputs is placed with a NamedSharding; pass mesh=<the Mesh>."
         )
-    matmuls = tuple(parse_matmuls(hlo))
-    return Ledger(collectives, hlo, _memory(compiled), _flops(compiled), matmuls)
+    found = tuple(parse_matmuls(hlo))
+    return Ledger(collectives, hlo, _memory(compiled), _flops(compiled), found)
 
 
 def _program_mesh(compiled: Any) -> Mesh | None:
@@ -488,23 +472,6 @@ def parse_hlo(text: str, mesh: AnyMesh | None = None) -> list[Collective]:
                 if hlo.overlaps_matmul(instructions[i + 1 :], instr, matmuls):
                     c = dataclasses.replace(c, overlapped=True)
             out.append(c)
-    return out
-
-
-def parse_matmuls(text: str) -> list[Matmul]:
-    """Every dot and convolution in compiled HLO text that runs, with its FLOPs and count."""
-    computations, entry = hlo.split_computations(text)
-    runs = hlo.executions(computations, entry)
-    frames = hlo.stack_frames(text)
-    out = []
-    for comp, instructions in computations.items():
-        count, exact = runs.get(comp, (0, True))
-        shapes = {i.name: i.shape for i in instructions}
-        for instr in instructions if count else ():
-            flops = hlo.matmul_flops(instr, shapes)
-            if flops is not None:
-                op_name, _ = hlo.metadata(instr.attrs, frames)
-                out.append(Matmul(instr.name, op_name, flops, count, exact))
     return out
 
 

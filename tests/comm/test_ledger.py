@@ -618,7 +618,7 @@ def test_summary_json_and_table(scanned_ledger):
         summary[("collective-permute", ("data",))].bytes_sent,
     ) == (2, 128.0)
     report = scanned_ledger.to_json()
-    assert set(report) == {"collectives", "measured_bytes_sent", "memory"}
+    assert set(report) == {"collectives", "measured_bytes_sent", "flops", "memory"}
     assert set(report["memory"]) == {"argument", "output", "temp"}
     assert report["memory"]["argument"] == 64  # one f32[4,4] block per device
     assert all(

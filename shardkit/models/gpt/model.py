@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import io
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -368,15 +369,7 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
             return y.size * mesh.shape["data"] * mesh.shape["expert"] * n_seq
         return jax.lax.psum(lm.valid_count(y), tuple(a for a in token_split if mesh.shape[a] > 1))
 
-    pipeline = None
-    if plan.pp != "none":  # the embedding on the first stage, the norm, head and loss on the last
-        pipeline = staged.Stages(
-            plan.schedule(),
-            lambda p, x: lm.vocab_embed(x, p["embed"], tp),
-            lambda chunk, h: blocks(h, chunk)[0],
-            functools.partial(ce_share, micro=plan.microbatches),
-            "blocks", embed=("embed",), head=("norm", "head"),
-        )  # fmt: skip
+    pipeline = _stages(plan, lambda p, x: lm.vocab_embed(x, p["embed"], tp), blocks, ce_share)
     token_split, tokens = ("data", "expert", "seq"), P(("data", "expert"), "seq")
     return ShardedModel(mesh, param_axes(cfg.experts is not None),
                         rules(n_model, cfg.kv_heads, plan.fsdp, pipeline is not None),
@@ -387,6 +380,23 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
 
 
 # --8<-- [end:sharded]
+
+
+def _stages(
+    plan: GPTPlan,
+    embed: Callable[..., Any],
+    blocks: Callable[..., Any],
+    ce_share: Callable[..., Any],
+) -> staged.Stages | None:
+    """The decoder cut for ``plan.pp``: the embedding on the first stage, the blocks as the
+    chunks, the final norm, head and cross-entropy (over the global token count) on the last."""
+    if plan.pp == "none":
+        return None
+    return staged.Stages(
+        plan.schedule(), embed, lambda chunk, h: blocks(h, chunk)[0],
+        functools.partial(ce_share, micro=plan.microbatches),
+        "blocks", embed=("embed",), head=("norm", "head"),
+    )  # fmt: skip
 
 
 def _moe_metrics(cfg: GPTConfig, counts: jax.Array, tokens: int) -> dict[str, jax.Array]:

@@ -101,12 +101,7 @@ def pipeline_grads(
     tab = tables(schedule)
     fill = np.nan if poison else 0.0
     state = _initial_state(tab, stage_params, ends, x0, act_axes, (leaves, keep), fill)
-    split = None
-    if schedule.split:
-        dy0 = _like(y0, state["dy_box"])
-        split = SplitBackward(lambda res, dy: jax.tree.unflatten(vjp_def, res)(dy), leaves, dy0)
-        dx0, cut0 = split.input_grad(leaves, dy0)
-        state["w_stash"] = [_buffer(tab.w_slots, vary(a, act_axes), fill) for a in [*cut0, dx0]]
+    split = _split_backward(schedule, vjp_def, leaves, y0, tab, state, (act_axes, fill))
     stage = jax.lax.axis_index(axis)
     ctx = _Context(schedule, stage_fn, stage_params, ends, inputs, targets, axis, stage,
                    vjp_def, keep, split)  # fmt: skip
@@ -114,6 +109,22 @@ def pipeline_grads(
     ends_sums = (state["loss"], state["embed_grads"], state["loss_grads"])
     loss, embed_grads, loss_grads = jax.lax.psum(ends_sums, axis)
     return loss, state["grads"], embed_grads, loss_grads
+
+
+def _split_backward(
+    schedule: Schedule, vjp_def: Any, leaves: list[Any], y0: jax.Array, tab: Tables,
+    state: dict[str, Any], buffers: tuple[frozenset[str], float],
+) -> SplitBackward | None:  # fmt: skip
+    """Split schedules: the chunk's backward cut into B and W (``split.SplitBackward``), and
+    the W stash added to ``state``: a buffer per value B hands W (its cut, then dx)."""
+    if not schedule.split:
+        return None
+    act_axes, fill = buffers
+    dy0 = _like(y0, state["dy_box"])
+    split = SplitBackward(lambda res, dy: jax.tree.unflatten(vjp_def, res)(dy), leaves, dy0)
+    dx0, cut0 = split.input_grad(leaves, dy0)
+    state["w_stash"] = [_buffer(tab.w_slots, vary(a, act_axes), fill) for a in [*cut0, dx0]]
+    return split
 
 
 def _run_segments(ctx: _Context, tab: Tables, state: dict[str, Any]) -> dict[str, Any]:
