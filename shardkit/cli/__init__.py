@@ -433,9 +433,10 @@ def run_lm(args: argparse.Namespace) -> int:
     cfg = lm.config(args.model, args.experts, args.top_k, args.capacity_factor, args.documents)
     batch = args.batch or LM_BATCH * (2 if args.command != "train" else 1)
     given_plan = args.mesh or args.sp or args.fsdp or args.remat or args.pp
-    given_plan = given_plan or args.microbatches or args.virtual
+    given_plan = given_plan or args.microbatches is not None or args.virtual is not None
     kernel, mesh = args.kernel or "auto", args.mesh or f"data={args.devices}"
-    pp = (args.pp or "none", args.microbatches or 1, args.virtual or 1)
+    micro, virtual = (1 if n is None else n for n in (args.microbatches, args.virtual))
+    pp = (args.pp or "none", micro, virtual)
     plan = lm.plan(mesh, args.sp, args.fsdp, args.remat or "none", kernel, pp)
     if args.command == "verify":
         plans = {"custom": plan} if given_plan else lm.default_plans(cfg, kernel)

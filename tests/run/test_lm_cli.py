@@ -96,6 +96,8 @@ def test_train_moe_gpt_writes_its_run(tmp_path, capsys):
          "The MoE decoder does not pipeline yet"),
         (["verify", "--model", "gpt", "--mesh", "stage=2"], "The mesh has stage=2; give --pp"),
         (["verify", "--model", "gpt", "--microbatches", "2"], "--microbatches and --virtual need"),
+        (["verify", "--model", "gpt", "--mesh", "stage=2", "--pp", "1f1b", "--microbatches", "0"],
+         "--microbatches and --virtual must be positive"),
         (["verify", "--model", "gpt", "--sp", "megatron", "--mesh", "model=2"],
          "--sp megatron does not apply to the GPT"),
         (["verify", "--model", "gpt", "--mesh", "data=3"], "batch=16 is not divisible by"),

@@ -150,7 +150,7 @@ def check_plan(cfg: GPTConfig, plan: GPTPlan, batch: int) -> None:
 def _pipeline_checks(cfg: GPTConfig, plan: GPTPlan, batch: int) -> list[tuple[Any, str]]:
     """(failed, message) pairs for the pipeline: a dense decoder of two batch inputs, no
     ppermute inside a stage (a ring over seq), layers and the local batch that split."""
-    stage, chunks = plan.mesh["stage"], plan.mesh["stage"] * plan.virtual
+    stage, chunks = plan.mesh["stage"], plan.mesh["stage"] * max(plan.virtual, 1)
     local = batch // max(plan.mesh["data"] * plan.mesh["expert"], 1)
     if plan.pp == "none":
         return [(stage > 1, f"The mesh has stage={stage}; give --pp (gpipe, 1f1b, ...)"),
@@ -159,6 +159,8 @@ def _pipeline_checks(cfg: GPTConfig, plan: GPTPlan, batch: int) -> list[tuple[An
     return [
         (plan.pp not in schedules.SCHEDULES,
          f"--pp must be one of {', '.join(schedules.SCHEDULES)}, got {plan.pp!r}"),
+        (min(plan.microbatches, plan.virtual) < 1,
+         "--microbatches and --virtual must be positive integers"),
         (stage == 1, f"--pp {plan.pp} needs a stage axis of size > 1 in --mesh (it has stage=1)"),
         (cfg.experts is not None, "The MoE decoder does not pipeline yet (its aux losses and "
          "routing metrics leave the stages); pipeline the dense gpt"),
@@ -167,7 +169,7 @@ def _pipeline_checks(cfg: GPTConfig, plan: GPTPlan, batch: int) -> list[tuple[An
          "pipeline stage (its ppermute spans every stage); give --sp ulysses"),
         (cfg.layers % chunks, f"layers={cfg.layers} do not split into stage×virtual={chunks} "
          "chunks"),
-        (local % plan.microbatches, f"The data-local batch ({local}) is not divisible by "
+        (local % max(plan.microbatches, 1), f"The data-local batch ({local}) is not divisible by "
          f"--microbatches {plan.microbatches}"),
     ]  # fmt: skip
 
