@@ -145,7 +145,9 @@ def verify_case(cfg: gpt.GPTConfig, name: str, p: gpt.GPTPlan, batch: int) -> di
     errors = {"loss": check.loss, "grads": max(check.grads.values()),
               "step": max(check.step.values())}  # fmt: skip
     sp = f"{p.core} {p.layout}" if p.mesh["seq"] > 1 else "none"
-    return {"name": name, "mesh": format_mesh(p.mesh), "sp": sp,
+    pp = "none" if p.pp == "none" else f"{p.pp} M={p.microbatches}"
+    pp += f" V={p.virtual}" if p.virtual > 1 else ""
+    return {"name": name, "mesh": format_mesh(p.mesh), "sp": sp, "pp": pp,
             "fsdp": p.fsdp, "ok": check.ok, "errors": errors, "worst": check.worst[0],
             "tolerance": TOLERANCE}  # fmt: skip
 
@@ -170,7 +172,8 @@ def verify(
         cases.append(c)
         if not as_json:
             e = c["errors"]
-            echo(row.format(name, c["mesh"], c["sp"], "✓" if p.fsdp else "-", f"{e['loss']:.1e}",
+            sp = c["sp"] if c["pp"] == "none" else f"{c['sp']}, {c['pp']}"
+            echo(row.format(name, c["mesh"], sp, "✓" if p.fsdp else "-", f"{e['loss']:.1e}",
                             f"{e['grads']:.1e}", f"{e['step']:.1e}",
                             "✓" if c["ok"] else f"✗ {c['worst']}"), flush=True)  # fmt: skip
     ok = all(c["ok"] for c in cases)

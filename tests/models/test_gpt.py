@@ -170,7 +170,7 @@ def test_a_pipelined_gpt_equals_its_twin(shape, options):
     leaf and one AdamW step equal the unsharded twin's."""
     cfg = gpt.GPTConfig(layers=4)
     case = run_lm.verify_case(cfg, "pipeline", gpt.GPTPlan(shape, **options), BATCH)
-    assert case["ok"], case
+    assert case["ok"] and case["pp"].startswith(f"{options['pp']} M="), case
 
 
 def test_a_pipelined_gpt_meets_its_contract_stage_by_stage():
