@@ -122,7 +122,6 @@ def _run_schedules_bench(
         raise UsageError("--schedules times one plan's schedules: give no --strategies or --chip.")
     if lm_plan is not None:
         pipeline_bench.check_stages(lm_plan.mesh["stage"])
-        lm_plan = dataclasses.replace(lm_plan, pp=lm_plan.pp if lm_plan.pp != "none" else "gpipe")
         build, chosen = pipeline_bench.gpt_builder(lm_cfg, lm_plan, lm_batch)
         title = pipeline_bench.title(f"GPT dim {lm_cfg.dim}", lm_plan.mesh, lm_batch)
     else:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -38,6 +39,8 @@ import numpy as np
 from jaxtyping import Array
 
 from shardkit.comm.ledger import Ledger
+from shardkit.comm.report import Report
+from shardkit.comm.terms import Expectation
 from shardkit.mesh import PlanError
 from shardkit.parallel import data as dp
 from shardkit.parallel import pipeline
@@ -205,3 +208,12 @@ def _on_stage(op: Any, runs: dict[tuple[int, int], Any], stage: int) -> Any:
         )
     ran = int(runs[(k, b)][stage]) if (k, b) in runs else 0
     return dataclasses.replace(op, count=op.count // length * ran)
+
+
+def stage_report(
+    ledger: Ledger, sched: Schedule, expectation: Callable[[int], Expectation]
+) -> Report:
+    """A pipelined step's report: each stage's ledger (``stage_ledger``) against that stage's
+    ``expectation(stage)``; the last stage shown, the others (``Report.others``) checked too."""
+    reports = [Report(stage_ledger(ledger, sched, s), expectation(s)) for s in range(sched.stages)]
+    return dataclasses.replace(reports[-1], others=tuple(enumerate(reports[:-1])))

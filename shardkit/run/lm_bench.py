@@ -40,6 +40,7 @@ from shardkit.comm.report import Report
 from shardkit.mesh import format_mesh
 from shardkit.models import gpt
 from shardkit.models.gpt.model import ALPHA, BETA
+from shardkit.models.sharded import ShardedModel
 from shardkit.parallel import data as dp
 from shardkit.parallel import moe
 from shardkit.run import bench, lm
@@ -136,17 +137,27 @@ def _contender(step: Any, params: Any, state: Any, batch: Sequence[Any], mesh: A
     return bench.Contender(compiled, params, state, tuple(batch), seconds, program, led)
 
 
-def contenders(cfg: gpt.GPTConfig, p: gpt.GPTPlan, batch: int, params: Any, data: Any):
-    """(shardkit, auto, one device), compiled, their params and state placed."""
+def hand_contender(
+    cfg: gpt.GPTConfig, p: gpt.GPTPlan, batch: int, params: Any, data: Any
+) -> tuple[bench.Contender, ShardedModel]:
+    """The hand-sharded decoder's clipped AdamW step on ``p``, compiled, its params, state and
+    batch placed; and the model."""
     model = lm.build(cfg, p, batch)
     optimizer = optax.adamw(1e-3)
     placed = model.shard(params)
     state = model.init_opt_state(optimizer, placed)
     hand = model.train_step(optimizer, clip_norm=CLIP)
     ours = _contender(hand, placed, state, model.shard_batch(*lm.ordered(p, *data)), model.mesh)
-    shardings = jax.tree.map(lambda a: a.sharding, (placed, state))
+    return ours, model
+
+
+def contenders(cfg: gpt.GPTConfig, p: gpt.GPTPlan, batch: int, params: Any, data: Any):
+    """(shardkit, auto, one device), compiled, their params and state placed."""
+    ours, model = hand_contender(cfg, p, batch, params, data)
+    optimizer = optax.adamw(1e-3)
+    shardings = jax.tree.map(lambda a: a.sharding, (ours.params, ours.opt_state))
     step = auto_step(auto_loss(cfg, p, model.mesh), optimizer)
-    auto_params, auto_state = _copied((placed, state), shardings)
+    auto_params, auto_state = _copied((ours.params, ours.opt_state), shardings)
     tokens = NamedSharding(model.mesh, TOKENS)
     batch_auto = [jax.device_put(a, tokens) for a in data]
     jitted = jax.jit(step, donate_argnums=(0, 1), out_shardings=(*shardings, None))

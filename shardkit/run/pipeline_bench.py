@@ -28,7 +28,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
 
 import vit_ref
 from shardkit.mesh import Plan, PlanError, format_mesh
@@ -36,10 +35,10 @@ from shardkit.models import gpt, staged
 from shardkit.models.vit import check_plan
 from shardkit.models.vit.plan import schedule
 from shardkit.parallel.pipeline.schedules import Schedule
-from shardkit.run import bench, lm
+from shardkit.run import bench, lm, lm_bench
 from shardkit.run.verify import make_batch
 
-Build = Callable[[str, int], tuple[bench.Contender, Schedule]]
+Build = Callable[[str], tuple[bench.Contender, Schedule]]  # schedule name -> its compiled step
 
 
 def variants(stages: int, micro: int, depth: int) -> list[tuple[str, int]]:
@@ -63,7 +62,7 @@ def vit_builder(cfg: vit_ref.ViTConfig, plan: Plan, batch: int) -> tuple[Build, 
     params = vit_ref.init(jax.random.key(0), dataclasses.replace(cfg, head_zeroinit=False))
     data = tuple(np.asarray(a) for a in make_batch(cfg, batch))
 
-    def build(name: str, virtual: int) -> tuple[bench.Contender, Schedule]:
+    def build(name: str) -> tuple[bench.Contender, Schedule]:
         return bench.shardkit_contender(cfg, plans[name], params, data), schedule(plans[name])
 
     return build, chosen
@@ -78,18 +77,9 @@ def gpt_builder(cfg: gpt.GPTConfig, plan: gpt.GPTPlan, batch: int) -> tuple[Buil
     params = jax.tree.map(np.asarray, gpt.init(0, cfg))  # host copies: each step donates its own
     data = lm.sample(cfg, batch)
 
-    def build(name: str, virtual: int) -> tuple[bench.Contender, Schedule]:
-        p = plans[name]
-        model = lm.build(cfg, p, batch)
-        optimizer = optax.adamw(1e-3)
-        placed = model.shard(params)
-        state = model.init_opt_state(optimizer, placed)
-        step = model.train_step(optimizer, clip_norm=1.0)
-        batch_in = model.shard_batch(*lm.ordered(p, *data))
-        compiled, seconds, program = bench.compile_timed(step, placed, state, *batch_in)
-        led = bench.ledger_of(compiled, model.mesh)
-        contender = bench.Contender(compiled, placed, state, batch_in, seconds, program, led)
-        return contender, p.schedule()
+    def build(name: str) -> tuple[bench.Contender, Schedule]:
+        contender, _ = lm_bench.hand_contender(cfg, plans[name], batch, params, data)
+        return contender, plans[name].schedule()
 
     return build, chosen
 
@@ -107,7 +97,7 @@ def run(
     built = []
     for name, virtual in chosen:
         progress(f"compiling {name}" + (f" V={virtual}" if virtual > 1 else ""))
-        built.append(build(name, virtual))
+        built.append(build(name))
     for round_ in range(warmup + steps):
         for contender, _ in built:
             seconds = contender.run()

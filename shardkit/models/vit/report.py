@@ -29,7 +29,7 @@ import vit_ref
 from shardkit.comm.ledger import Ledger, Narrowing, measure, widened
 from shardkit.comm.report import Report
 from shardkit.mesh import Plan
-from shardkit.models.staged import stage_ledger
+from shardkit.models.staged import stage_report
 from shardkit.models.vit import cost
 from shardkit.models.vit.model import ShardedViT
 from shardkit.models.vit.plan import schedule
@@ -110,12 +110,9 @@ def report_of(
     """The report of a measured step; under a pipeline one per stage (the last one shown)."""
     if plan.pp == "none":
         return Report(ledger, cost.expected(cfg, plan, batch, **kwargs))
-    sched = schedule(plan)
-    reports = [
-        Report(stage_ledger(ledger, sched, s), cost.expected(cfg, plan, batch, stage=s, **kwargs))
-        for s in range(sched.stages)
-    ]
-    return dataclasses.replace(reports[-1], others=tuple(enumerate(reports[:-1])))
+    return stage_report(
+        ledger, schedule(plan), lambda s: cost.expected(cfg, plan, batch, stage=s, **kwargs)
+    )
 
 
 def inspect(

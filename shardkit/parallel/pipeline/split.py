@@ -77,11 +77,6 @@ class SplitBackward:
         self._dx = tuple(range(n_out - dx_leaves, n_out))
         self._part = _partition(inlined.jaxpr, tuple(inlined.consts), frozenset(self._dx), ())
 
-    @property
-    def cut_size(self) -> int:
-        """How many values B hands to W."""
-        return len(self._part.cut)
-
     def input_grad(self, *args: Any) -> tuple[jax.Array, list[jax.Array]]:
         """B: (dx, cut)."""
         env = _seeded(self._part, jax.tree.leaves(args))
@@ -124,21 +119,21 @@ def _eval_inlined(jaxpr: core.Jaxpr, consts: Any, args: list[Any]) -> list[Any]:
             sub_consts = getattr(sub, "consts", ())
             outs = _eval_inlined(getattr(sub, "jaxpr", sub), sub_consts, ins)
         elif eqn.primitive.name == "scan":
-            outs = _rescan(eqn, ins, _eval_inlined)
+            outs = _rescan(eqn, ins)
         else:
             outs = _bind(eqn, ins)
         _write(env, eqn.outvars, outs)
     return [_read(env, v) for v in jaxpr.outvars]
 
 
-def _rescan(eqn: Any, ins: list[Any], evaluate: Callable[..., list[Any]]) -> list[Any]:
-    """The scan ``eqn`` re-run by ``lax.scan`` with its body evaluated by ``evaluate``."""
+def _rescan(eqn: Any, ins: list[Any]) -> list[Any]:
+    """The scan ``eqn`` re-run by ``lax.scan``, its body's calls inlined."""
     p = eqn.params
     nc, ncar, body = p["num_consts"], p["num_carry"], p["jaxpr"]
     consts, init, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
 
     def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
-        outs = evaluate(body.jaxpr, body.consts, [*consts, *carry, *x])
+        outs = _eval_inlined(body.jaxpr, body.consts, [*consts, *carry, *x])
         return outs[:ncar], outs[ncar:]
 
     carry, ys = jax.lax.scan(step, init, xs, length=p["length"], reverse=p["reverse"],
