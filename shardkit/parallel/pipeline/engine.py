@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shardkit.parallel.pipeline import schedules
 from shardkit.parallel.pipeline.schedules import Schedule
 from shardkit.parallel.pipeline.split import SplitBackward
 from shardkit.parallel.pipeline.tables import (
@@ -61,6 +62,7 @@ def pipeline_grads(
     *,
     axis: str = "stage",
     poison: bool = False,
+    uniform: bool | None = None,
 ) -> tuple[jax.Array, Any, Any, Any]:
     """Runs ``schedule`` forward and backward; call inside ``shard_map`` over ``axis``.
 
@@ -73,7 +75,12 @@ def pipeline_grads(
       targets: pytree of [M, ...]: ``loss_fn``'s target per microbatch (read on stage S−1).
       axis: the pipeline's mesh axis.
       poison: start the stash, the inboxes and the receive buffers at NaN instead of zeros
-        (a test: finite, equal gradients prove that no unwritten slot is ever read).
+        (a test: finite, equal gradients prove that no unwritten slot is ever read, or, in
+        the uniform form, that what a stage computes masked never reaches a result).
+      uniform: run the uniform form (``schedules.uniform``: the same phases on every stage,
+        masked where a stage has no action) instead of per-stage branches. None: uniform
+        exactly when the chunk, the embedding or the loss runs a ``ppermute``, which the
+        branch form cannot run; False with such a function is refused.
 
     Returns:
       (loss, d_stage_params, d_embed_params, d_loss_params): Σ_m loss and the gradients of
@@ -87,7 +94,7 @@ def pipeline_grads(
     chunk0 = jax.tree.map(lambda a: a[0], stage_params)
     y0, proto = jax.vjp(stage_fn, chunk0, x0)
     _check_stage_fn(x0, y0)
-    _check_no_permutes(
+    permutes = _permute_axes_of(
         lambda p, x, ep, lp, i, t: (
             jax.vjp(stage_fn, p, x)[1](y0),
             jax.vjp(ends.embed_fn, ep, i),
@@ -96,6 +103,7 @@ def pipeline_grads(
         chunk0, x0, ends.embed_params, ends.loss_params,
         jax.tree.map(lambda a: a[0], inputs), jax.tree.map(lambda a: a[0], targets),
     )  # fmt: skip
+    schedule = _form(schedule, permutes, uniform)
     leaves, vjp_def = jax.tree.flatten(proto)
     keep = _param_mask(leaves, chunk0)
     tab = tables(schedule)
@@ -127,16 +135,31 @@ def _split_backward(
     return split
 
 
+def _form(schedule: Schedule, permutes: set[str], uniform: bool | None) -> Schedule:
+    """The schedule in the form the engine runs (``pipeline_grads``'s ``uniform``)."""
+    if permutes and uniform is False:
+        raise ValueError(
+            f"The pipeline's stage, embedding or loss function runs a ppermute over "
+            f"{', '.join(map(repr, sorted(permutes)))}, which the branch form cannot run (XLA's "
+            "collective-permute waits for every stage, and only some take the branch); run "
+            "the uniform form (uniform=True or None)."
+        )
+    return schedules.uniform(schedule) if (uniform or permutes) else schedule
+
+
 def _run_segments(ctx: _Context, tab: Tables, state: dict[str, Any]) -> dict[str, Any]:
     """Scans the ticks segment by segment, each compiling only the branches it runs."""
     for k, (start, stop, send_x, send_dy) in enumerate(tab.segments()):
         rows = tab.rows(start, stop)
-        # Only the branches this segment runs are compiled into its switch (row → position).
-        used = sorted({IDLE, *np.unique(rows["branch"]).tolist()})
-        rows["branch"] = np.searchsorted(used, rows["branch"]).astype(np.int32)
-        body = _tick_body(ctx, send_x, send_dy, used)
+        if tab.period == 1:
+            # Only the branches this segment runs are compiled into its switch (row → position).
+            used = sorted({IDLE, *np.unique(rows["branch"]).tolist()})
+            rows["branch"] = np.searchsorted(used, rows["branch"]).astype(np.int32)
+            body, xs = _tick_body(ctx, send_x, send_dy, used), rows
+        else:
+            body, xs = _uniform_segment(ctx, tab, (start, stop), send_x, send_dy)
         with jax.named_scope(SEGMENT_SCOPE.format(k)):
-            state, _ = jax.lax.scan(body, state, {n: jnp.asarray(v) for n, v in rows.items()})
+            state, _ = jax.lax.scan(body, state, jax.tree.map(jnp.asarray, xs))
     return state
 
 
@@ -261,6 +284,72 @@ def _tick_body(ctx: _Context, send_x: bool, send_dy: bool, used: list[int]) -> C
     return body
 
 
+def _uniform_segment(
+    ctx: _Context, tab: Tables, span: tuple[int, int], send_x: bool, send_dy: bool
+) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """The uniform form's scan body over super ticks [start, stop) and what it scans: the
+    tables [ticks, P, S] and per phase the variant every stage runs (its switch position)."""
+    start, stop = span
+    period = tab.period
+    rows = {k: v.reshape(-1, period, v.shape[1]) for k, v in tab.rows(start, stop).items()}
+    variants = tab.variants[start:stop]
+    used = [sorted({IDLE, *np.unique(variants[:, p]).tolist()}) for p in range(period)]
+    position = np.stack([np.searchsorted(u, variants[:, p]) for p, u in enumerate(used)], 1)
+    fns = (_forward, _backward, _weights)
+    phases = [
+        [_idle] + [
+            _scoped(functools.partial(fns[(b - 1) // 4], first=(b - 1) // 2 % 2 == 1,
+                                      last=(b - 1) % 2 == 1), b)
+            for b in u[1:]
+        ]
+        for u in used
+    ]  # fmt: skip
+    pairs = forward_pairs(ctx.schedule)
+    backward_pairs = [(d, s) for s, d in pairs]
+
+    def body(state: dict[str, Any], xs: dict[str, Any]) -> tuple[dict[str, Any], None]:
+        state = dict(state)
+        first = {k: v[0, ctx.stage] for k, v in xs["rows"].items()}
+        state["x_box"] = _store(state["x_box"], first["x_arrive"], state["recv_x"])
+        state["dy_box"] = _store(state["dy_box"], first["dy_arrive"], state["recv_dy"])
+        out = {}
+        for p, kind in enumerate(ctx.schedule.phases):
+            row = _stage_masks({k: v[p, ctx.stage] for k, v in xs["rows"].items()})
+            branches = [functools.partial(b, ctx) for b in phases[p]]
+            state, out_x, out_dy = jax.lax.switch(xs["position"][p], branches, state, row)
+            out[kind] = out_x if kind == "F" else out_dy
+        zeros = jnp.zeros_like(state["recv_x"])
+        state["recv_x"] = jax.lax.ppermute(out["F"], ctx.axis, pairs) if send_x else zeros
+        state["recv_dy"] = (
+            jax.lax.ppermute(out["B"], ctx.axis, backward_pairs) if send_dy else zeros
+        )
+        return state, None
+
+    return body, {"rows": rows, "position": position.astype(np.int32)}
+
+
+def _stage_masks(row: Row) -> Row:
+    """A uniform phase's row with this stage's own flags: whether it acts, and whether on the
+    first or the last chunk (``branch_index``'s encoding); the phase's variant runs on every
+    stage, and these say which of its results are this stage's."""
+    code = row["branch"] - 1
+    active = row["branch"] != IDLE
+    return dict(row, active=active, first=active & (code // 2 % 2 == 1),
+                last=active & (code % 2 == 1))  # fmt: skip
+
+
+def _masked(row: Row, flag: str, tree: Any) -> Any:
+    """``tree`` where this stage's ``flag`` holds, zeros elsewhere (branch form: ``tree``)."""
+    if flag not in row:
+        return tree
+    return jax.tree.map(lambda a: jnp.where(row[flag], a, jnp.zeros_like(a)), tree)
+
+
+def _pick(row: Row, flag: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """a where this stage's ``flag`` holds, else b (branch form: a)."""
+    return a if flag not in row else jnp.where(row[flag], a, b)
+
+
 Branch = tuple[dict[str, Any], jax.Array, jax.Array]
 Row = dict[str, jax.Array]
 
@@ -287,7 +376,9 @@ def _forward(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, las
     """F: the chunk's forward; its vjp residuals stashed; y sent on, or the loss taken."""
     state = dict(state)
     zeros = jnp.zeros_like(state["recv_x"])
-    x = _embed(ctx, row)[0] if first else state["x_box"][jnp.maximum(row["x_in"], 0)]
+    x = state["x_box"][jnp.maximum(row["x_in"], 0)]
+    if first:
+        x = _pick(row, "first", _like(_embed(ctx, row)[0], zeros), x)
     p = _chunk(ctx, row)
     y, vjp = jax.vjp(ctx.stage_fn, p, _like(x, zeros))
     leaves = jax.tree.leaves(vjp)
@@ -302,10 +393,11 @@ def _forward(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, las
     loss, (d_loss_params, dy) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
         ctx.ends.loss_params, y, _micro(ctx.targets, row)
     )
-    state["loss"] = state["loss"] + _like(loss.astype(jnp.float32), state["loss"])
-    state["loss_grads"] = _add(state["loss_grads"], d_loss_params)
-    state["dy_box"] = _store(state["dy_box"], row["dy_in"], dy)
-    return state, zeros, zeros
+    loss = _masked(row, "last", _like(loss.astype(jnp.float32), state["loss"]))
+    state["loss"] = state["loss"] + loss
+    state["loss_grads"] = _add(state["loss_grads"], _masked(row, "last", d_loss_params))
+    state["dy_box"] = _store(state["dy_box"], _pick(row, "last", row["dy_in"], -1), dy)
+    return state, _pick(row, "last", zeros, _like(y, zeros)), zeros
 
 
 def _vjp_leaves(ctx: _Context, state: dict[str, Any], row: Row) -> list[Any]:
@@ -332,7 +424,8 @@ def _backward(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, la
             _store(buf, row["w_stash"], value)
             for buf, value in zip(state["w_stash"], [*cut, dx], strict=True)
         ]
-    return state, zeros, zeros if first else _like(dx, zeros)
+    dx_out = _like(dx, zeros)
+    return state, zeros, _pick(row, "first", zeros, dx_out) if first else dx_out
 
 
 def _weights(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, last: bool) -> Branch:
@@ -353,11 +446,13 @@ def _weight_grads(
     its vjp re-run on this microbatch's input, applied to ``dx``)."""
     state = dict(state)
     state["grads"] = jax.tree.map(
-        lambda acc, g: acc.at[row["virtual"]].add(_like(g, acc)), state["grads"], dp
+        lambda acc, g: acc.at[row["virtual"]].add(_like(g, acc)),
+        state["grads"],
+        _masked(row, "active", dp),
     )
     if first:
         (d_embed,) = _embed(ctx, row)[1](_like(dx, state["recv_x"]))
-        state["embed_grads"] = _add(state["embed_grads"], d_embed)
+        state["embed_grads"] = _add(state["embed_grads"], _masked(row, "first", d_embed))
     return state
 
 
@@ -395,10 +490,10 @@ def pipeline_forward(
     head_params = vary_tree(head_params, act_axes)
     x0 = vary(embed_fn(embed_params, jax.tree.map(lambda a: a[0], inputs)), act_axes)
     chunk0 = jax.tree.map(lambda a: a[0], stage_params)
-    _check_no_permutes(
+    uniform = bool(_permute_axes_of(
         lambda p, x, ep, hp, i: (stage_fn(p, x), embed_fn(ep, i), head_fn(hp, x)),
         chunk0, x0, embed_params, head_params, jax.tree.map(lambda a: a[0], inputs),
-    )  # fmt: skip
+    ))  # fmt: skip
     out0 = head_fn(head_params, stage_fn(chunk0, x0))
     act = jnp.zeros_like(x0)
     state = dict(
@@ -412,19 +507,34 @@ def pipeline_forward(
     branches = _forward_branches(stage_fn, stage_params, ends, inputs, act)
 
     def tick(send: bool) -> Callable[..., Any]:
-        def body(state: dict[str, Any], rows: dict[str, jax.Array]) -> tuple[Any, None]:
-            row = {k: v[stage] for k, v in rows.items()}
+        def body(state: dict[str, Any], xs: dict[str, Any]) -> tuple[Any, None]:
+            row = {k: v[stage] for k, v in xs["rows"].items()}
             state = dict(state, x_box=_store(state["x_box"], row["x_arrive"], state["recv"]))
-            state, out = jax.lax.switch(row["branch"], branches, state, row)
+            if uniform:  # every stage runs the tick's variant, masked by its own entry
+                row, index = _stage_masks(row), xs["variant"]
+            else:
+                index = row["branch"]
+            state, out = jax.lax.switch(index, branches, state, row)
             state["recv"] = jax.lax.ppermute(out, axis, pairs) if send else act
             return state, None
 
         return body
 
     for start, stop, send in tab.segments():
-        rows = {k: jnp.asarray(v) for k, v in tab.rows(start, stop).items()}
-        state, _ = jax.lax.scan(tick(send), state, rows)
+        rows = tab.rows(start, stop)
+        xs = {"rows": rows, "variant": _forward_variants(rows["branch"])}
+        state, _ = jax.lax.scan(tick(send), state, jax.tree.map(jnp.asarray, xs))
     return jax.lax.psum(state["out"], axis)
+
+
+def _forward_variants(branch: np.ndarray) -> np.ndarray:
+    """Per tick of the forward tables, the branch every stage runs in the uniform form: F
+    with the first / last chunk parts if some stage needs them, 0 if no stage acts."""
+    code = np.where(branch > 0, branch - 1, 0)
+    acting = (branch > 0).any(axis=1)
+    first = ((code // 2 % 2 == 1) & (branch > 0)).any(axis=1)
+    last = ((code % 2 == 1) & (branch > 0)).any(axis=1)
+    return np.where(acting, 1 + 2 * first + last, 0).astype(np.int32)
 
 
 def _forward_branches(
@@ -436,16 +546,16 @@ def _forward_branches(
     def forward(first: bool, last: bool, state: dict[str, Any], row: Row) -> tuple[Any, Any]:
         state = dict(state)
         chunk = jax.tree.map(lambda a: a[row["virtual"]], stage_params)
+        x = state["x_box"][jnp.maximum(row["x_in"], 0)]
         if first:
-            x = _like(embed_fn(embed_params, _micro(inputs, row)), act)
-        else:
-            x = state["x_box"][jnp.maximum(row["x_in"], 0)]
+            x = _pick(row, "first", _like(embed_fn(embed_params, _micro(inputs, row)), act), x)
         y = stage_fn(chunk, x)
         if not last:
             return state, _like(y, act)
         out = _like(head_fn(head_params, y), state["out"])
+        out = _pick(row, "last", out, state["out"][row["micro"]])
         state["out"] = jax.lax.dynamic_update_index_in_dim(state["out"], out, row["micro"], 0)
-        return state, act
+        return state, _pick(row, "last", act, _like(y, act))
 
     return [lambda state, row: (state, act)] + [
         functools.partial(forward, first, last) for first in (False, True) for last in (False, True)
@@ -455,17 +565,10 @@ def _forward_branches(
 # ----------------------------------------------------------------------------- helpers
 
 
-def _check_no_permutes(fn: Callable[..., Any], *args: Any) -> None:
-    """ValueError (one sentence) if ``fn`` (a chunk, the embedding or the loss, with their
-    backward) runs a ``ppermute``: it would run inside a schedule branch (module docstring)."""
-    axes = sorted(_permute_axes(jax.make_jaxpr(fn)(*args).jaxpr))
-    if axes:
-        raise ValueError(
-            f"The pipeline's stage, embedding or loss function runs a ppermute over "
-            f"{', '.join(map(repr, axes))}, which cannot run inside a schedule branch that only "
-            "some stages take (XLA's collective-permute spans every stage); use collectives "
-            "whose groups lie within a stage (psum, all_gather, psum_scatter, all_to_all)."
-        )
+def _permute_axes_of(fn: Callable[..., Any], *args: Any) -> set[str]:
+    """The axes of every ``ppermute`` ``fn`` (a chunk, the embedding or the loss, with their
+    backward) runs: the branch form cannot run one (module docstring)."""
+    return _permute_axes(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
 def _permute_axes(jaxpr: Any) -> set[str]:

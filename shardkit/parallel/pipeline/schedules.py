@@ -65,6 +65,9 @@ class Schedule:
       stages, micro, virtual: S, M, V.
       split: the backward is split into B (input gradient) and W (weight gradient).
       grid: ticks × stages.
+      period: 1 for the branch form (a tick is one action per stage); P > 1 for the uniform
+        form (``uniform``): tick t·P + p is phase p of super tick t and holds only actions of
+        kind ``phases[p]``; data sent in a super tick arrives at the start of the next.
     """
 
     name: str
@@ -73,6 +76,16 @@ class Schedule:
     virtual: int
     split: bool
     grid: Grid
+    period: int = 1
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        """The kinds a uniform super tick runs, in order (F, B and, if split, W)."""
+        return KINDS if self.split else KINDS[:2]
+
+    def arrival(self, tick: int) -> int:
+        """The first tick that can read what ``tick`` sent to another stage."""
+        return (tick // self.period + 1) * self.period
 
     @property
     def ticks(self) -> int:
@@ -83,9 +96,11 @@ class Schedule:
         return self.stages * self.virtual
 
     def bubble(self) -> float:
-        """The idle fraction of the table: idle (tick, stage) slots over all slots."""
-        idle = sum(action is None for row in self.grid for action in row)
-        return idle / (self.ticks * self.stages)
+        """The idle fraction of the table: idle (tick, stage) slots over all slots (uniform
+        form: over the phases some stage runs; the others are skipped)."""
+        rows = [row for row in self.grid if self.period == 1 or any(row)]
+        idle = sum(action is None for row in rows for action in row)
+        return idle / (len(rows) * self.stages)
 
     def in_flight(self, stage: int) -> int:
         """Peak microbatch-chunks whose activations ``stage`` holds (F done, weights not done)."""
@@ -105,8 +120,9 @@ class Schedule:
         """AssertionError unless every invariant the engine relies on holds.
 
         Every (chunk, microbatch) runs F once and B once (and W once if split) on the chunk's
-        device; F(c, m) after F(c−1, m); B(c, m) after B(c+1, m) and after F(c, m); W(c, m)
-        after B(c, m); the grid has one action or None per (tick, stage).
+        device; F(c, m) after F(c−1, m) arrived; B(c, m) after B(c+1, m) arrived and after
+        F(c, m); W(c, m) after B(c, m); the grid has one action or None per (tick, stage), and
+        in the uniform form only its phase's kind.
         """
         done: dict[tuple[str, int, int], int] = {}
         for tick, row in enumerate(self.grid):
@@ -114,7 +130,8 @@ class Schedule:
             for stage, action in enumerate(row):
                 if action is None:
                     continue
-                assert action.kind in (KINDS if self.split else ("F", "B")), action
+                assert action.kind in self.phases, action
+                assert self.period == 1 or action.kind == self.phases[tick % self.period], action
                 key = (action.kind, action.virtual * self.stages + stage, action.micro)
                 assert key not in done, f"{key} runs twice"
                 assert 0 <= action.micro < self.micro and 0 <= action.virtual < self.virtual
@@ -123,9 +140,11 @@ class Schedule:
             for m in range(self.micro):
                 f, b = done[("F", chunk, m)], done[("B", chunk, m)]
                 if chunk > 0:
-                    assert done[("F", chunk - 1, m)] < f, f"F{m} on chunk {chunk} too early"
+                    arrived = self.arrival(done[("F", chunk - 1, m)])
+                    assert arrived <= f, f"F{m} on chunk {chunk} too early"
                 if chunk < self.chunks - 1:
-                    assert done[("B", chunk + 1, m)] < b, f"B{m} on chunk {chunk} too early"
+                    arrived = self.arrival(done[("B", chunk + 1, m)])
+                    assert arrived <= b, f"B{m} on chunk {chunk} too early"
                 assert f < b, f"B{m} before F{m} on chunk {chunk}"
                 if self.split:
                     assert b < done[("W", chunk, m)], f"W{m} before B{m} on chunk {chunk}"
@@ -133,15 +152,22 @@ class Schedule:
         assert len(done) == expected, f"{len(done)} actions, {expected} expected"
 
     def __str__(self) -> str:
-        """The grid as the papers draw it: one row per stage, one column per tick."""
-        width = max(len(str(a)) for row in self.grid for a in row if a is not None)
-        lines = [
-            f"{self.name}: S={self.stages} M={self.micro} V={self.virtual}, "
-            f"{self.ticks} ticks, bubble {self.bubble():.3f}"
+        """The grid as the papers draw it: one row per stage, one column per tick (uniform
+        form: per super tick, its phases' actions joined by +)."""
+        p = self.period
+        ticks = [self.grid[t : t + p] for t in range(0, self.ticks, p)]
+        cells = [
+            ["+".join(str(row[s]) for row in tick if row[s]) or "." for tick in ticks]
+            for s in range(self.stages)
         ]
-        for stage in range(self.stages):
-            cells = (str(row[stage]) if row[stage] else "." for row in self.grid)
-            lines.append(f"stage {stage}: " + " ".join(c.ljust(width) for c in cells))
+        width = max(len(c) for row in cells for c in row)
+        form = "" if p == 1 else " (uniform)"
+        lines = [
+            f"{self.name}{form}: S={self.stages} M={self.micro} V={self.virtual}, "
+            f"{len(ticks)} ticks, bubble {self.bubble():.3f}"
+        ]
+        for stage, row in enumerate(cells):
+            lines.append(f"stage {stage}: " + " ".join(c.ljust(width) for c in row))
         return "\n".join(lines)
 
 
@@ -213,6 +239,34 @@ def build(name: str, stages: int, micro: int, virtual: int = 1) -> Schedule:
     if name == "interleaved":
         return interleaved(stages, micro, virtual)
     return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb": zero_bubble}[name](stages, micro)
+
+
+def uniform(schedule: Schedule) -> Schedule:
+    """``schedule`` re-timed into super ticks of fixed phases, for the engine's uniform form.
+
+    The uniform form runs the same program on every device: each super tick runs phase F,
+    then B (then W if split), and a phase runs on every stage whenever some stage has an
+    action of its kind there (the others run it masked), so a collective inside a chunk (a
+    ring's ``ppermute``) runs on every device at the same point. Each stage keeps the
+    schedule's order with two liberties, so that one super tick can hold a forward and a
+    backward: a forward may run ahead of pending backwards while the stage holds fewer than
+    2·in_flight − 1 microbatch-chunks (1F1B's S becomes 2S − 1 on stage 0: a cotangent
+    reaches the previous stage one super tick after its forward left, not one action after),
+    and each W runs in its B's super tick (a W phase runs on every stage anyway, so deferring
+    it fills no bubble). GPipe stays GPipe: no backward passes a forward.
+    """
+    if schedule.period != 1:
+        return schedule
+    S = schedule.stages
+    orders = [
+        [(a.kind, a.micro, a.virtual) for row in schedule.grid if (a := row[s]) and a.kind != "W"]
+        for s in range(S)
+    ]
+    caps = [max(1, 2 * schedule.in_flight(s) - 1) for s in range(S)]
+    grid = _simulate_uniform(schedule, orders, caps)
+    out = dataclasses.replace(schedule, grid=grid, period=len(schedule.phases))
+    out.check()
+    return out
 
 
 def bubble_formula(name: str, stages: int, micro: int, virtual: int = 1) -> float:
@@ -312,6 +366,58 @@ def _simulate(
     return tuple(grid)
 
 
+def _simulate_uniform(schedule: Schedule, orders: list[list[Op]], caps: list[int]) -> Grid:
+    """``uniform``'s list scheduler: super tick by super tick, phase by phase, each stage runs
+    its first pending forward (if its inputs arrived and it holds fewer than ``caps[s]``), its
+    next action if that is a ready backward, and (split) the W of its oldest finished B."""
+    S, C, P = schedule.stages, schedule.chunks, len(schedule.phases)
+    done: dict[tuple[str, int, int], int] = {}  # (kind, chunk, micro) -> fine tick
+    left = [list(order) for order in orders]
+    waiting_w: list[list[Op]] = [[] for _ in range(S)]
+    live = [0] * S
+    grid: list[tuple[Action | None, ...]] = []
+    total = sum(map(len, orders)) * (3 if schedule.split else 2) // 2
+
+    def arrived(key: tuple[str, int, int], tick: int) -> bool:
+        return key in done and schedule.arrival(done[key]) <= tick
+
+    def pick(stage: int, kind: str, tick: int) -> Op | None:
+        if kind == "W":
+            return waiting_w[stage].pop(0) if waiting_w[stage] else None
+        ops = [op for op in left[stage] if op[0] == "F"][:1] if kind == "F" else left[stage][:1]
+        for op in ops:
+            _, m, v = op
+            chunk = v * S + stage
+            if kind == "F" and (live[stage] >= caps[stage] or not (
+                chunk == 0 or arrived(("F", chunk - 1, m), tick)
+            )):  # fmt: skip
+                return None
+            if kind == "B" and (op[0] != "B" or not (
+                ("F", chunk, m) in done if chunk == C - 1 else arrived(("B", chunk + 1, m), tick)
+            )):  # fmt: skip
+                return None
+            left[stage].remove(op)
+            return op
+        return None
+
+    while len(done) < total:
+        if len(grid) > 8 * total * P:
+            raise AssertionError("uniform pipeline schedule deadlocked")
+        for kind in schedule.phases:
+            tick, row = len(grid), []
+            for stage in range(S):
+                op = pick(stage, kind, tick)
+                if op is not None:
+                    done[(kind, op[2] * S + stage, op[1])] = tick
+                    last_use = "W" if schedule.split else "B"
+                    live[stage] += {"F": 1, last_use: -1}.get(kind, 0)
+                    if kind == "B" and schedule.split:
+                        waiting_w[stage].append(("W", op[1], op[2]))
+                row.append(None if op is None else Action(kind, op[1], op[2]))
+            grid.append(tuple(row))
+    return tuple(grid)
+
+
 __all__ = [
     "SCHEDULES",
     "Action",
@@ -321,5 +427,6 @@ __all__ = [
     "gpipe",
     "interleaved",
     "one_f_one_b",
+    "uniform",
     "zero_bubble",
 ]

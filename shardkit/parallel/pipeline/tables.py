@@ -55,14 +55,19 @@ class Tables:
     x_slots: int
     dy_slots: int
     w_slots: int
+    period: int = 1
+    variants: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 1), np.int32))
 
     def rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
+        """The tables of (super) ticks [start, stop): [ticks·period, S] each."""
         names = ("branch", "micro", "virtual", "stash", "x_in", "dy_in", "w_stash", "x_arrive",
                  "dy_arrive")  # fmt: skip
-        return {name: getattr(self, name)[start:stop] for name in names}
+        p = self.period
+        return {name: getattr(self, name)[start * p : stop * p] for name in names}
 
     def segments(self) -> list[tuple[int, int, bool, bool]]:
-        """Runs (start, stop, sends_x, sends_dy) of ticks, each scanned with one send pattern.
+        """Runs (start, stop, sends_x, sends_dy) of (super) ticks, each scanned with one send
+        pattern.
 
         Between the first cotangent send and the last activation send (1F1B's steady state)
         one segment sends both ways every tick; elsewhere each run of ticks with the same
@@ -70,7 +75,9 @@ class Tables:
         (with S = 2, 1F1B's steady state alternates F and B every tick: one segment per tick
         would make the program, and its compile time, grow with M).
         """
-        x, dy = self.sends_x.tolist(), self.sends_dy.tolist()
+        p = self.period
+        x = self.sends_x.reshape(-1, p).any(axis=1).tolist()
+        dy = self.sends_dy.reshape(-1, p).any(axis=1).tolist()
         ticks = len(x)
         start = dy.index(True) if True in dy else ticks
         stop = ticks - x[::-1].index(True) if True in x else 0
@@ -116,9 +123,9 @@ def tables(schedule: Schedule) -> Tables:
         stash[(c, m)] = (c % S, tick, when[(last_use, c, m)])
         if schedule.split:
             w_box[(c, m)] = (c % S, when[("B", c, m)], when[("W", c, m)])
-        if c > 0:  # arrives the tick after F on the previous chunk
-            x_box[(c, m)] = (c % S, when[("F", c - 1, m)] + 1, tick)
-        start = tick if c == C - 1 else when[("B", c + 1, m)] + 1
+        if c > 0:  # arrives the (super) tick after F on the previous chunk
+            x_box[(c, m)] = (c % S, schedule.arrival(when[("F", c - 1, m)]), tick)
+        start = tick if c == C - 1 else schedule.arrival(when[("B", c + 1, m)])
         dy_box[(c, m)] = (c % S, start, when[(last_use, c, m)])
     boxes = {"stash": stash, "x": x_box, "dy": dy_box, "w": w_box}
     slots = {name: _colour(box) for name, box in boxes.items()}
@@ -152,20 +159,41 @@ def tables(schedule: Schedule) -> Tables:
     return Tables(
         branch, micro, virtual, t["stash"], t["x_in"], t["dy_in"], t["w_stash"], t["x_arrive"],
         t["dy_arrive"], sends_x, sends_dy, sizes["stash"], sizes["x"], sizes["dy"], sizes["w"],
+        schedule.period, _variants(schedule, branch),
     )  # fmt: skip
+
+
+def _variants(schedule: Schedule, branch: np.ndarray) -> np.ndarray:
+    """``Tables.variants``: per super tick and phase, the branch every stage runs."""
+    p = schedule.period
+    out = np.zeros((len(branch) // p, p), np.int32)
+    if p == 1:
+        return out
+    for tick, rows in enumerate(branch.reshape(-1, p, branch.shape[1])):
+        for phase, (kind, row) in enumerate(zip(schedule.phases, rows, strict=True)):
+            acting = row[row != IDLE] - 1
+            if len(acting):
+                first, last = bool((acting // 2 % 2).any()), bool((acting % 2).any())
+                out[tick, phase] = branch_index(kind, first, last)
+    return out
 
 
 def branch_runs(schedule: Schedule) -> dict[tuple[int, int], np.ndarray]:
     """(segment k, branch b) -> runs per stage [S]: how many ticks of segment k each stage
     spends in branch b (``pipeline_grads``'s segments and ``branch_index``), and the segment
-    lengths under key (k, −1)."""
+    lengths under key (k, −1). Uniform form: how many super ticks run variant b (the same on
+    every stage)."""
     tab = tables(schedule)
     out: dict[tuple[int, int], np.ndarray] = {}
     for k, (start, stop, _, _) in enumerate(tab.segments()):
-        rows = tab.branch[start:stop]
         out[(k, -1)] = np.full(schedule.stages, stop - start)
-        for b in np.unique(rows).tolist():
-            out[(k, b)] = (rows == b).sum(axis=0)
+        if tab.period == 1:
+            rows = tab.branch[start:stop]
+            for b in np.unique(rows).tolist():
+                out[(k, b)] = (rows == b).sum(axis=0)
+            continue
+        for b in np.unique(tab.variants[start:stop]).tolist():  # every stage runs each variant
+            out[(k, b)] = np.full(schedule.stages, (tab.variants[start:stop] == b).sum())
     return out
 
 
