@@ -63,7 +63,7 @@ def vit_builder(cfg: vit_ref.ViTConfig, plan: Plan, batch: int) -> tuple[Build, 
     data = tuple(np.asarray(a) for a in make_batch(cfg, batch))
 
     def build(name: str) -> tuple[bench.Contender, Schedule]:
-        return bench.shardkit_contender(cfg, plans[name], params, data), schedule(plans[name])
+        return bench.shardkit_contender(cfg, plans[name], params, data), schedule(cfg, plans[name])
 
     return build, chosen
 

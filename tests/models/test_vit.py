@@ -396,11 +396,6 @@ PLAN_ERRORS = [
         Plan({"stage": 2}, pp="interleaved", microbatches=3),
         r"the microbatches \(M=3\) divisible by the stages \(S=2\)",
     ),
-    (
-        {},
-        Plan({"stage": 2, "seq": 2}, sp="ring", pp="1f1b", microbatches=2),
-        r"--pp 1f1b cannot run a ring over seq \(--sp ring\)",
-    ),
     ({}, Plan({"seq": 4}, sp="ulysses"), r"heads per model shard \(6//1=6\) divisible by seq=4"),
     ({}, Plan({"seq": 2, "model": 2}, sp="ulysses"), r"\(6//2=3\) divisible by seq=2"),
     (

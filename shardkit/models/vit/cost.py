@@ -204,10 +204,14 @@ def _pipeline_terms(g: Geometry, stage: int) -> list[Term]:
     backward on each, so every per-layer term is that of M·l/S layers at batch b/M (the same
     bytes as l/S layers at b). zb splits each backward into B and W (``pipeline.split``):
     every collective of the backward runs once, in B when the input gradient needs it (all of
-    them here: each feeds the cotangent chain), so its terms are 1F1B's.
+    them here: each feeds the cotangent chain), so its terms are 1F1B's. A ring over seq
+    runs the uniform form (``schedules.uniform``): every device runs each phase some stage
+    runs, so its forward terms count the F phases run (``pipeline.chunk_runs``), not M·V,
+    and its backward terms the B phases: the masked runs send what the real ones do.
     Ends: the loss, the embedding's and the head's gradients are summed over stage once (ONE
     all-reduce; only the first and the last stage add to them); the pooled features are
-    summed over the token axes on the last stage only, once per microbatch.
+    summed over the token axes wherever the loss runs (``chunk_runs``' "last": the last stage,
+    once per microbatch; uniform form: every stage, once per F phase that has a loss).
     FSDP: each device gathers its layers and the outer leaves once per step, before the
     schedule, and reduce-scatters their gradients once after it: one AG and one RS per bucket.
     """
@@ -215,17 +219,17 @@ def _pipeline_terms(g: Geometry, stage: int) -> list[Term]:
     stages = plan.size("stage")
     depth = g.cfg.depth // stages * micro
     gm = dataclasses.replace(g, cfg=dataclasses.replace(g.cfg, depth=depth), batch=g.batch // micro)
-    layers = _layer_terms(gm)
-    sent_x, sent_dy = pipeline.tables(schedule(plan)).sent()
+    sched = schedule(g.cfg, plan)
+    runs = pipeline.chunk_runs(sched, stage)
+    per_phase = {"forward": runs["F"], "backward": runs["B"], "recompute": runs["B"]}
+    layers = [_times(t, per_phase[t.phase], micro * plan.virtual) for t in _layer_terms(gm)]
+    sent_x, sent_dy = pipeline.tables(sched).sent()
     act = gm.b * g.t * g.cfg.dim * WORD
     permute = functools.partial(term, g, "collective-permute", ["stage"])  # +1 / −1 below
     outer = [leaf for leaf in pc.param_leaves(g) if not leaf.in_blocks]
     n_data = plan.size("data")
     ends = sum(leaf.local * (n_data if "data" in leaf.split else 1) for leaf in outer) + 1
-    pool = [
-        dataclasses.replace(t, count=t.count * micro, bytes_sent=t.bytes_sent * micro)
-        for t in _pool_terms(gm)
-    ]
+    pool = [_times(t, runs["last"], 1) for t in _pool_terms(gm)]
     return [
         *layers,
         *permute(sent_x, act, "activation to the next stage", "forward", step=1),
@@ -234,10 +238,16 @@ def _pipeline_terms(g: Geometry, stage: int) -> list[Term]:
             g, "all-reduce", ["stage"], 1, all_reduce_bytes(ends * WORD, stages),
             "loss, embedding and head gradients from the first and last stage", STEP_END,
         ),
-        *(pool if stage == stages - 1 else []),
+        *(t for t in pool if t.count),
         *pc.pipeline_fsdp_terms(g),
         *pc.zero_terms(g),
     ]  # fmt: skip
+
+
+def _times(t: Term, runs: int, per: int) -> Term:
+    """``t`` (a term of ``per`` runs) as ``runs`` runs make it."""
+    assert t.count % per == 0, (t, per)
+    return dataclasses.replace(t, count=t.count // per * runs, bytes_sent=t.bytes_sent * runs / per)
 
 
 def _tp_terms(g: Geometry) -> list[Term]:

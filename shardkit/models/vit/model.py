@@ -488,7 +488,7 @@ class ShardedViT(sharded.ShardedModel):
             return ce.sum() / global_batch
 
         embed = tuple(k for k in EMBED_LEAVES if k in params)
-        stages = staged.Stages(schedule(self.plan), embed_fn, stage_fn, loss_fn, "blocks",
+        stages = staged.Stages(schedule(self.cfg, self.plan), embed_fn, stage_fn, loss_fn, "blocks",
                                embed, HEAD_LEAVES)  # fmt: skip
         return staged.grads_local(self, stages, params, images, labels)
 
@@ -499,7 +499,7 @@ class ShardedViT(sharded.ShardedModel):
         whole = dp.fsdp_gather(params, self.gather_dims(), tiled=self.fsdp_tiles)
         embed_p, head_p = _split_outer(whole)
         logits = pl.pipeline_forward(
-            schedule(plan),
+            schedule(self.cfg, plan),
             stage_fn,
             staged.chunks(whole["blocks"], plan.virtual),
             embed_fn,

@@ -115,24 +115,21 @@ def check_pipeline(cfg: vit_ref.ViTConfig, plan: Plan) -> None:
     pipeline (the stage axis, the schedule name and ``--virtual`` are ``Plan``'s rules)."""
     if plan.pp == "none":
         return
-    stages, virtual, seq = plan.size("stage"), plan.virtual, plan.size("seq")
+    stages, virtual = plan.size("stage"), plan.virtual
     if cfg.depth % (stages * virtual):
         raise PlanError(
             f"depth={cfg.depth} is not divisible by stage×virtual = {stages}×{virtual} "
             "(every chunk holds the same number of layers)."
         )
-    if seq > 1 and ulysses_factor(cfg, plan) < seq:
-        raise PlanError(
-            f"--pp {plan.pp} cannot run a ring over seq (--sp {plan.sp}): the ring's ppermute "
-            "would run inside a schedule branch that only some stages take, which XLA cannot "
-            f"do; use --sp ulysses (or --ulysses {seq})."
-        )
     schedules.build(plan.pp, stages, plan.microbatches, virtual)  # M vs S, V vs the schedule
 
 
-def schedule(plan: Plan) -> schedules.Schedule:
-    """The pipeline schedule of ``plan`` (stage > 1)."""
-    return schedules.build(plan.pp, plan.size("stage"), plan.microbatches, plan.virtual)
+def schedule(cfg: vit_ref.ViTConfig, plan: Plan) -> schedules.Schedule:
+    """The pipeline schedule of ``plan`` (stage > 1), in the form the engine runs it: uniform
+    (``schedules.uniform``) when a ring over seq puts a ppermute inside every chunk."""
+    built = schedules.build(plan.pp, plan.size("stage"), plan.microbatches, plan.virtual)
+    ring = plan.size("seq") > ulysses_factor(cfg, plan)
+    return schedules.uniform(built) if ring else built
 
 
 def layer_order(cfg: vit_ref.ViTConfig, plan: Plan) -> np.ndarray:

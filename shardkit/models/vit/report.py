@@ -111,7 +111,7 @@ def report_of(
     if plan.pp == "none":
         return Report(ledger, cost.expected(cfg, plan, batch, **kwargs))
     return stage_report(
-        ledger, schedule(plan), lambda s: cost.expected(cfg, plan, batch, stage=s, **kwargs)
+        ledger, schedule(cfg, plan), lambda s: cost.expected(cfg, plan, batch, stage=s, **kwargs)
     )
 
 

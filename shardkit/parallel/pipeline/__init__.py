@@ -55,13 +55,15 @@ scopes, so a ledger can count them per stage (``branch_runs``, ``staged.stage_le
 """
 
 from shardkit.parallel.pipeline import schedules
-from shardkit.parallel.pipeline.engine import Ends, pipeline_forward, pipeline_grads
+from shardkit.parallel.pipeline.engine import Ends, pipeline_grads
+from shardkit.parallel.pipeline.forward import pipeline_forward
 from shardkit.parallel.pipeline.tables import (
     BRANCH_SCOPE,
     SEGMENT_SCOPE,
     ForwardTables,
     Tables,
     branch_runs,
+    chunk_runs,
     forward_tables,
     layer_order,
     tables,
@@ -74,6 +76,7 @@ __all__ = [
     "ForwardTables",
     "Tables",
     "branch_runs",
+    "chunk_runs",
     "forward_tables",
     "layer_order",
     "pipeline_forward",

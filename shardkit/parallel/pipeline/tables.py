@@ -197,6 +197,34 @@ def branch_runs(schedule: Schedule) -> dict[tuple[int, int], np.ndarray]:
     return out
 
 
+def chunk_runs(schedule: Schedule, stage: int) -> dict[str, int]:
+    """How often ``stage``'s device runs each part of the model in one step.
+
+    "F", "B", "W": a chunk's forward, backward (split: its input-gradient half) and weight-
+    gradient half; "first": the embedding's forward, "first_grad": its backward (in B, or W
+    if split); "last": the loss with its gradient. Branch form: the stage's own actions (M·V
+    of each kind; the ends M times, on the first / last stage only). Uniform form: every
+    phase some stage runs, since each runs on every device (the ends whenever some stage
+    needs them). A cost model scales its per-chunk terms by these.
+    """
+    if schedule.period == 1:
+        kinds = [row[stage].kind for row in schedule.grid if row[stage] is not None]
+        first = schedule.micro if stage == 0 else 0  # chunk 0 lives on stage 0, C−1 on S−1
+        last = schedule.micro if stage == schedule.stages - 1 else 0
+        return {"F": kinds.count("F"), "B": kinds.count("B"), "W": kinds.count("W"),
+                "first": first, "first_grad": first, "last": last}  # fmt: skip
+    variants = tables(schedule).variants
+    codes = variants - 1
+    runs = {kind: int((variants[:, p] != IDLE).sum()) for p, kind in enumerate(schedule.phases)}
+
+    def flags(phase: int, bit: int) -> int:
+        return int(((variants[:, phase] != IDLE) & (codes[:, phase] // bit % 2 == 1)).sum())
+
+    grad_phase = len(schedule.phases) - 1  # the embedding's backward: in B, or W if split
+    return {"F": runs["F"], "B": runs["B"], "W": runs.get("W", 0), "first": flags(0, 2),
+            "first_grad": flags(grad_phase, 2), "last": flags(0, 1)}  # fmt: skip
+
+
 def _colour(intervals: dict[Any, tuple[int, int, int]]) -> dict[Any, int]:
     """Slot per key: per stage, closed [first, last] tick intervals sharing a slot never meet."""
     slots: dict[Any, int] = {}

@@ -1,0 +1,129 @@
+"""The pipeline's forwards alone (inference): ``pipeline_forward`` runs a schedule's F actions
+inside ``shard_map`` over a stage axis, in the branch form or, when a chunk runs a
+``ppermute``, the uniform form (the package docstring says both).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from shardkit.parallel.pipeline.engine import (
+    EmbedFn,
+    Row,
+    StageFn,
+    _buffer,
+    _check_shapes,
+    _like,
+    _micro,
+    _permute_axes_of,
+    _pick,
+    _stage_masks,
+    _store,
+)
+from shardkit.parallel.pipeline.schedules import Schedule
+from shardkit.parallel.pipeline.tables import forward_pairs, forward_tables
+from shardkit.parallel.vma import tree_varying_axes, vary, vary_tree
+
+
+def pipeline_forward(
+    schedule: Schedule,
+    stage_fn: StageFn,
+    stage_params: Any,
+    embed_fn: EmbedFn,
+    embed_params: Any,
+    head_fn: Callable[[Any, jax.Array], jax.Array],
+    head_params: Any,
+    inputs: Any,
+    *,
+    axis: str = "stage",
+) -> jax.Array:
+    """The schedule's forwards alone; call inside ``shard_map`` over ``axis``.
+
+    ``head_fn(head_params, y) -> out`` runs after the last chunk (an inference head: logits).
+    Returns out[M, ...] of every microbatch, the same on every stage (summed over ``axis``
+    from the one device that holds the last chunk; the others contribute zeros).
+    """
+    _check_shapes(schedule, stage_params, inputs, None, axis)
+    tab = forward_tables(schedule)
+    act_axes = tree_varying_axes(inputs) | {axis}
+    stage_params = vary_tree(stage_params, act_axes)
+    embed_params = vary_tree(embed_params, act_axes)
+    head_params = vary_tree(head_params, act_axes)
+    x0 = vary(embed_fn(embed_params, jax.tree.map(lambda a: a[0], inputs)), act_axes)
+    chunk0 = jax.tree.map(lambda a: a[0], stage_params)
+    uniform = bool(_permute_axes_of(
+        lambda p, x, ep, hp, i: (stage_fn(p, x), embed_fn(ep, i), head_fn(hp, x)),
+        chunk0, x0, embed_params, head_params, jax.tree.map(lambda a: a[0], inputs),
+    ))  # fmt: skip
+    out0 = head_fn(head_params, stage_fn(chunk0, x0))
+    act = jnp.zeros_like(x0)
+    state = dict(
+        x_box=_buffer(tab.x_slots, act, 0.0),
+        out=_buffer(schedule.micro, vary(out0, act_axes), 0.0),
+        recv=act,
+    )
+    stage = jax.lax.axis_index(axis)
+    pairs = forward_pairs(schedule)
+    ends = (embed_fn, embed_params, head_fn, head_params)
+    branches = _forward_branches(stage_fn, stage_params, ends, inputs, act)
+
+    def tick(send: bool) -> Callable[..., Any]:
+        def body(state: dict[str, Any], xs: dict[str, Any]) -> tuple[Any, None]:
+            row = {k: v[stage] for k, v in xs["rows"].items()}
+            state = dict(state, x_box=_store(state["x_box"], row["x_arrive"], state["recv"]))
+            if uniform:  # every stage runs the tick's variant, masked by its own entry
+                row, index = _stage_masks(row), xs["variant"]
+            else:
+                index = row["branch"]
+            state, out = jax.lax.switch(index, branches, state, row)
+            state["recv"] = jax.lax.ppermute(out, axis, pairs) if send else act
+            return state, None
+
+        return body
+
+    for start, stop, send in tab.segments():
+        rows = tab.rows(start, stop)
+        xs = {"rows": rows, "variant": _forward_variants(rows["branch"])}
+        state, _ = jax.lax.scan(tick(send), state, jax.tree.map(jnp.asarray, xs))
+    return jax.lax.psum(state["out"], axis)
+
+
+def _forward_variants(branch: np.ndarray) -> np.ndarray:
+    """Per tick of the forward tables, the branch every stage runs in the uniform form: F
+    with the first / last chunk parts if some stage needs them, 0 if no stage acts."""
+    code = np.where(branch > 0, branch - 1, 0)
+    acting = (branch > 0).any(axis=1)
+    first = ((code // 2 % 2 == 1) & (branch > 0)).any(axis=1)
+    last = ((code % 2 == 1) & (branch > 0)).any(axis=1)
+    return np.where(acting, 1 + 2 * first + last, 0).astype(np.int32)
+
+
+def _forward_branches(
+    stage_fn: StageFn, stage_params: Any, ends: tuple[Any, ...], inputs: Any, act: jax.Array
+) -> list[Callable[..., tuple[Any, jax.Array]]]:
+    """``pipeline_forward``'s switch: idle, then F for each (first chunk, last chunk)."""
+    embed_fn, embed_params, head_fn, head_params = ends
+
+    def forward(first: bool, last: bool, state: dict[str, Any], row: Row) -> tuple[Any, Any]:
+        state = dict(state)
+        chunk = jax.tree.map(lambda a: a[row["virtual"]], stage_params)
+        x = state["x_box"][jnp.maximum(row["x_in"], 0)]
+        if first:
+            x = _pick(row, "first", _like(embed_fn(embed_params, _micro(inputs, row)), act), x)
+        y = stage_fn(chunk, x)
+        if not last:
+            return state, _like(y, act)
+        out = _like(head_fn(head_params, y), state["out"])
+        out = _pick(row, "last", out, state["out"][row["micro"]])
+        state["out"] = jax.lax.dynamic_update_index_in_dim(state["out"], out, row["micro"], 0)
+        return state, _pick(row, "last", act, _like(y, act))
+
+    return [lambda state, row: (state, act)] + [
+        functools.partial(forward, first, last) for first in (False, True) for last in (False, True)
+    ]
