@@ -15,6 +15,10 @@ inside the pipeline engine, where every tick's own stage ppermute also rendezvou
 through with wrong values instead). Naming only stage 0's devices in the pairs (a ppermute over
 ``("stage", "seq")``) does not help: XLA:CPU's collective-permute rendezvous waits for every
 device of the program, whatever its pairs.
+
+The fourth case is the pipeline engine's uniform form: every device takes the SAME branch (the
+index is the same on all of them, as a uniform super tick's phase variant is), runs the ring,
+and stage 1 masks the result away (``jnp.where``). It returns the right values.
 """
 
 import subprocess
@@ -37,20 +41,23 @@ def run(collective: str) -> tuple[np.ndarray, np.ndarray]:
     mesh = shardkit.make_mesh({"stage": 2, "seq": 2})
 
     def ring(x):
-        if collective == "ppermute":
+        if collective in ("ppermute", "uniform"):
             return jax.lax.ppermute(x, "seq", [(0, 1), (1, 0)])
         if collective == "stage-0 pairs":  # over (stage, seq), naming stage 0's devices only
             return jax.lax.ppermute(x, ("stage", "seq"), [(0, 1), (1, 0)])
         return vary(jax.lax.psum(x, "seq"), varying_axes(x))  # typed like the other branch
 
-    def body(x):
+    def body(x, uniform_index):
         stage = jax.lax.axis_index("stage")
+        if collective == "uniform":  # one branch for all (a traced index, 0 everywhere)
+            ran = jax.lax.switch(uniform_index, [ring, lambda x: x], x)
+            return jnp.where(stage == 0, ran, x)  # stage 1 masks what it computed
         return jax.lax.switch(stage, [ring, lambda x: x], x)
 
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("stage", "seq")),
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(("stage", "seq")), P()),
                                  out_specs=P(("stage", "seq"))))  # fmt: skip
     x = jnp.arange(4.0)  # device (stage s, seq i) holds 2s + i
-    got = np.asarray(step(x))[:2]
+    got = np.asarray(step(x, jnp.int32(0)))[:2]
     want = np.array([1.0, 1.0]) if collective == "psum" else np.array([1.0, 0.0])
     return got, want
 
@@ -63,7 +70,7 @@ def child(name: str) -> None:
 
 def main() -> None:
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
-    for name in ("psum", "ppermute", "stage-0 pairs"):
+    for name in ("psum", "ppermute", "stage-0 pairs", "uniform"):
         proc = subprocess.run([sys.executable, __file__, name], capture_output=True, text=True,
                               timeout=300)  # fmt: skip
         lines = [line for line in proc.stderr.splitlines() if "Termination timeout" in line]
@@ -75,7 +82,8 @@ def main() -> None:
                 + (lines[0].split("] ")[-1] if lines else proc.stderr[-300:])
             )
         )
-        print(f"{name:>13} inside stage 0's branch: {outcome}")
+        where = "in one branch for all" if name == "uniform" else "inside stage 0's branch"
+        print(f"{name:>13} {where}: {outcome}")
 
 
 if __name__ == "__main__":

@@ -22,9 +22,11 @@ microbatches of the data-local batch. Sharding signature, per device of (data, s
     -> loss (invariant), grads like params (layers split over stage, ends whole)
 
 Composes with data parallelism, FSDP / ZeRO-1 (every split leaf gathered once per step before
-the schedule, its gradient reduce-scattered once after it) and any collective inside a chunk
-whose groups lie within a stage (the engine refuses a ``ppermute``). ZeRO-2 is refused: the
-schedule sums a layer's gradients over microbatches before they are whole.
+the schedule, its gradient reduce-scattered once after it) and any collective inside a chunk.
+A ``ppermute`` there makes the engine run the schedule's uniform form (``parallel.pipeline``);
+give ``schedules.uniform(schedule)`` as the schedule so that per-stage reports (``stage_ledger``)
+count what runs. ZeRO-2 is refused: the schedule sums a layer's gradients over microbatches
+before they are whole.
 """
 
 from __future__ import annotations

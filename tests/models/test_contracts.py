@@ -75,6 +75,11 @@ COMPOSITIONS = {
         CFG,
         Plan({"data": 2, "seq": 2, "model": 2}, sp="ring", fsdp=True, layers="unrolled"),
     ),
+    # a ring inside the stages: the uniform form, every phase on every stage
+    "PP 1F1B×ring×TP": (
+        CFG,
+        Plan({"stage": 2, "seq": 2, "model": 2}, sp="ring", pp="1f1b", microbatches=2),
+    ),
     "Megatron-SP unrolled": (CFG, Plan({"data": 2, "model": 4}, sp="megatron", layers="unrolled")),
     # its regions as collective matmuls: rings of permutes in place of the gathers and scatters
     "Megatron-SP overlap": (CFG, Plan({"data": 2, "model": 4}, sp="megatron", overlap=True)),

@@ -161,6 +161,9 @@ PIPELINES = [  # (mesh, plan options): each schedule once, with DP, TP, Ulysses 
     ({"stage": 2, "seq": 2, "model": 2},
      dict(pp="interleaved", microbatches=2, virtual=2, core="ulysses", layout="striped")),
     ({"data": 2, "stage": 2}, dict(pp="gpipe", microbatches=2, fsdp=True)),
+    # a causal zigzag ring inside the stages: the engine's uniform form
+    ({"stage": 2, "seq": 2, "model": 2},
+     dict(pp="interleaved", microbatches=2, virtual=2, layout="zigzag")),
 ]  # fmt: skip
 
 
@@ -181,3 +184,12 @@ def test_a_pipelined_gpt_meets_its_contract_stage_by_stage():
     report = json.loads(run_lm.inspect(gpt.GPTConfig(), plan, 16, as_json=True))
     assert report["contract_ok"] and report["ratio"] == pytest.approx(1.0), report["mismatches"]
     assert len(report["stage_flops"]) == 2
+
+
+def test_a_ring_inside_the_stages_meets_its_contract():
+    """Zigzag causal ring × TP × interleaved, the uniform form: every stage's ledger against
+    terms that count the F and B phases every device runs (``pipeline.chunk_runs``)."""
+    plan = gpt.GPTPlan({"stage": 2, "seq": 2, "model": 2}, "zigzag", pp="interleaved",
+                       microbatches=2, virtual=2)  # fmt: skip
+    report = json.loads(run_lm.inspect(gpt.GPTConfig(layers=4), plan, BATCH, as_json=True))
+    assert report["contract_ok"] and report["ratio"] == pytest.approx(1.0), report["mismatches"]

@@ -2,10 +2,11 @@
 
 ``strategies.pipeline_cases`` draws a schedule (GPipe, 1F1B, interleaved, ZB-H1), stage 2..8,
 microbatches as the schedule allows (not only multiples of S), and composes it with data, model
-(TP or Megatron-SP), seq (Ulysses) and FSDP on the remaining devices; explicit examples pin one
-case per schedule. Each case compiles the forward and the gradients (the step is taken from
-the gradients on the host, as ``testing.compare_sharded`` does). Memory: GPipe's temp bytes
-grow with M, 1F1B's and ZB-H1's stay flat once M ≥ S (``memory_analysis``).
+(TP or Megatron-SP), seq (Ulysses, or a ring: the engine's uniform form) and FSDP on the
+remaining devices; explicit examples pin one case per schedule, and a ring. Each case compiles
+the forward and the gradients (the step is taken from the gradients on the host, as
+``testing.compare_sharded`` does). Memory: GPipe's temp bytes grow with M, 1F1B's and ZB-H1's
+stay flat once M ≥ S (``memory_analysis``).
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ def _case(pp: str, mesh: dict, micro: int, **kw) -> tuple[vit_ref.ViTConfig, Pla
 
 
 @given(strategies.pipeline_cases())
-@settings(max_examples=1)  # one drawn case beside the four explicit ones (~35 s each on CI)
+@settings(max_examples=1)  # one drawn case beside the five explicit ones (~35 s each on CI)
 @example(_case("gpipe", {"data": 2, "stage": 2, "model": 2}, 3, fsdp=True))
 @example(_case("1f1b", {"stage": 4, "model": 2}, 5, sp="megatron"))
 @example(_case("interleaved", {"stage": 2, "seq": 2}, 2, virtual=2, sp="ulysses"))
 @example(_case("zb", {"data": 2, "stage": 2}, 3, fsdp=True))
+@example(_case("1f1b", {"stage": 2, "seq": 2, "model": 2}, 2, sp="ring"))  # uniform form
 def test_pipelined_vit_equals_reference(case) -> None:
     cfg, plan, batch = case
     model = ShardedViT(cfg, plan)

@@ -45,6 +45,18 @@ def stage_fn(p, x, axis=None):
     return x + mlp_tp(x, p, axis, jnp.tanh)
 
 
+def ring_stage_fn(p, x, axis="model"):
+    """A chunk with a ppermute inside: tokens split over ``axis``, each device's block mixed
+    with its ring neighbour's (a global roll by one block) before the MLP."""
+    n = jax.lax.axis_size(axis)
+    shifted = jax.lax.ppermute(x, axis, [(i, (i + 1) % n) for i in range(n)])
+    return stage_fn(p, x + 0.5 * shifted)
+
+
+def ring_reference_fn(p, x, blocks):
+    return stage_fn(p, x + 0.5 * jnp.roll(x, x.shape[-2] // blocks, axis=-2))
+
+
 def embed_fn(ep, raw):
     return jnp.tanh(raw @ ep["embed"])
 
@@ -63,14 +75,16 @@ def init(chunks: int, seed: int = 0):
     return chunk, {"embed": normal(D_IN, D) / np.sqrt(D_IN)}, {"head": normal(D, D_OUT)}
 
 
-def reference(chunk_params, embed_params, loss_params, x, targets):
-    """Σ over microbatches of the loss through every chunk in order, unsharded."""
+def reference(chunk_params, embed_params, loss_params, x, targets, ring=0):
+    """Σ over microbatches of the loss through every chunk in order, unsharded (``ring``: the
+    ring chunk's roll over that many token blocks)."""
     chunks = jax.tree.leaves(chunk_params)[0].shape[0]
+    chunk_fn = functools.partial(ring_reference_fn, blocks=ring) if ring else stage_fn
 
     def one(xm, tm):
         xm = embed_fn(embed_params, xm)
         for c in range(chunks):
-            xm = stage_fn(jax.tree.map(lambda a, c=c: a[c], chunk_params), xm)
+            xm = chunk_fn(jax.tree.map(lambda a, c=c: a[c], chunk_params), xm)
         return loss_fn(loss_params, xm, tm)
 
     return sum(one(x[m], targets[m]) for m in range(x.shape[0]))
@@ -83,32 +97,32 @@ def device_order(stages: int, virtual: int) -> np.ndarray:
 
 @functools.cache
 def compiled(name: str, data: int, stages: int, model: int, micro: int, virtual: int,
-             poison: bool = False):  # fmt: skip
-    """The jitted step: (chunks, embed, head, x, targets) -> (loss, grads, embed and head grads)."""
+             poison: bool = False, ring: bool = False, uniform: bool | None = None):  # fmt: skip
+    """The jitted step: (chunks, embed, head, x, targets) -> (loss, grads, embed and head grads).
+
+    ``ring``: the chunk is ``ring_stage_fn`` over model (tokens split there, no TP)."""
     mesh = mesh_of(data, stages, model)
     schedule = sc.build(name, stages, micro, virtual)
-    tp = "model" if model > 1 else None
+    tp = "model" if model > 1 and not ring else None
     # Hidden dims over model; a size-1 axis splits nothing and appears in no spec.
     m = tp
     chunk_spec = {
         "fc1": {"kernel": P("stage", None, m), "bias": P("stage", m)},
         "fc2": {"kernel": P("stage", m, None), "bias": P("stage", None)},
     }
-    batch = P(None, "data")  # [M, B, ...]: microbatch rows split over data
+    # [M, B, T, ...]: microbatch rows split over data (ring: tokens over model)
+    batch = P(None, "data", "model" if ring else None)
+    chunk_fn = ring_stage_fn if ring else functools.partial(stage_fn, axis=tp)
 
     def body(chunks, embed, head, x, targets):
         ends = pl.Ends(embed_fn, embed, loss_fn, head)
         loss, grads, embed_grads, head_grads = pl.pipeline_grads(
-            schedule,
-            functools.partial(stage_fn, axis=tp),
-            chunks,
-            ends,
-            x,
-            targets,
-            poison=poison,
+            schedule, chunk_fn, chunks, ends, x, targets, poison=poison, uniform=uniform
         )
-        # Data-parallel sync of the partial sums, once, after the pipeline.
-        return jax.lax.psum((loss, grads, embed_grads, head_grads), "data")
+        # Data-parallel sync of the partial sums, once, after the pipeline (ring: and over
+        # the token blocks).
+        sync = ("data", "model") if ring else "data"
+        return jax.lax.psum((loss, grads, embed_grads, head_grads), sync)
 
     out_specs = (P(), chunk_spec, P(), P())
     step = jax.shard_map(body, mesh=mesh, in_specs=(chunk_spec, P(), P(), batch, batch),
@@ -116,19 +130,22 @@ def compiled(name: str, data: int, stages: int, model: int, micro: int, virtual:
     return jax.jit(step)
 
 
-def run(name, data, stages, model, micro, virtual=1, poison=False, seed=0):
+def run(name, data, stages, model, micro, virtual=1, poison=False, seed=0, ring=False,
+        uniform=None):  # fmt: skip
     """(pipeline results, reference results), the chunks in reference order."""
     chunks, embed, head = init(stages * virtual, seed)
     rng = np.random.default_rng(seed + 1)
-    x = jnp.asarray(rng.normal(size=(micro, B * data, T, D_IN)), jnp.float32)
-    t = jnp.asarray(rng.normal(size=(micro, B * data, T, D_OUT)), jnp.float32)
+    tokens = T * model if ring else T
+    x = jnp.asarray(rng.normal(size=(micro, B * data, tokens, D_IN)), jnp.float32)
+    t = jnp.asarray(rng.normal(size=(micro, B * data, tokens, D_OUT)), jnp.float32)
     order = device_order(stages, virtual)
-    step = compiled(name, data, stages, model, micro, virtual, poison)
+    step = compiled(name, data, stages, model, micro, virtual, poison, ring, uniform)
     loss, grads, embed_grads, head_grads = step(
         jax.tree.map(lambda a: a[order], chunks), embed, head, x, t
     )
     grads = jax.tree.map(lambda a: a[np.argsort(order)], grads)
-    want_loss, want = jax.value_and_grad(reference, argnums=(0, 1, 2))(chunks, embed, head, x, t)
+    ref = functools.partial(reference, ring=model if ring else 0)
+    want_loss, want = jax.value_and_grad(ref, argnums=(0, 1, 2))(chunks, embed, head, x, t)
     return (loss, grads, embed_grads, head_grads), (want_loss, *want)
 
 
@@ -275,3 +292,65 @@ def test_shapes_that_do_not_fit_the_schedule_are_one_sentence(change, match):
     with pytest.raises(ValueError, match=match) as err:
         jax.jit(fn).lower(chunks, x, t)
     assert str(err.value).count(". ") == 0
+
+
+# ----------------------------------------------------------------------------- uniform form
+
+
+@given(pipelines())
+@example(("1f1b", 1, 2, 2, 4, 1))
+@example(("interleaved", 1, 2, 2, 4, 2))
+@example(("zb", 2, 2, 2, 3, 1))
+def test_a_ppermute_inside_a_chunk_runs_in_the_uniform_form(case):
+    """A chunk that ppermutes over model (tokens split there) under every schedule: the engine
+    picks the uniform form (each phase on every stage, masked), and the loss and every
+    gradient equal the unsharded loop's."""
+    name, data, stages, _, micro, virtual = case
+    data = 1 if data * stages * 2 > 8 else data
+    got, want = run(name, data, stages, 2, micro, virtual, ring=True)
+    names = ("loss", "chunk grads", "embedding grads", "head grads")
+    for what, a, b in zip(names, got, want, strict=True):
+        assert testing.max_error(a, b) <= 1e-5, (what, case)
+
+
+@pytest.mark.parametrize("name", sc.SCHEDULES)
+def test_masked_phases_never_reach_a_result(name):
+    """Uniform form, buffers poisoned with NaN: a stage computes every phase some stage runs,
+    on whatever its slot 0 holds where it has no action of its own; those results are masked
+    out, so the gradients stay finite and equal the zero-started run's, bitwise."""
+    case = (name, 1, 2, 2, 4, 2 if name == "interleaved" else 1)
+    poisoned, _ = run(*case, poison=True, ring=True)
+    clean, _ = run(*case, ring=True)
+    for a, b in zip(jax.tree.leaves(poisoned), jax.tree.leaves(clean), strict=True):
+        assert np.isfinite(np.asarray(a)).all()
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_uniform_form_runs_any_chunk():
+    """Asked for, the uniform form runs a chunk without a ppermute too (TP inside) and equals
+    the loop; the branch form asked to run a ppermute is refused in one sentence."""
+    got, want = run("1f1b", 1, 2, 2, 4, uniform=True)
+    for a, b in zip(got, want, strict=True):
+        assert testing.max_error(a, b) <= 1e-5
+    with pytest.raises(ValueError, match="runs a ppermute over 'model', which the branch") as err:
+        run("1f1b", 1, 2, 2, 4, ring=True, uniform=False)
+    assert str(err.value).count(". ") == 0
+
+
+def test_every_device_runs_each_phase_some_stage_runs():
+    """The compiled uniform step, per stage (``stage_ledger``, each variant counted by the super
+    ticks that run it): the chunk's permute over model once per F phase and once per B phase
+    (its transpose) that some stage runs (``chunk_runs``), the same on every stage, and the
+    stage permutes one per sending super tick and direction."""
+    stages, micro = 2, 4
+    schedule = sc.uniform(sc.one_f_one_b(stages, micro))
+    step = compiled("1f1b", 1, stages, 2, micro, 1, ring=True)
+    chunks, embed, head = init(stages)
+    x, t = jnp.zeros((micro, B, 2 * T, D_IN)), jnp.zeros((micro, B, 2 * T, D_OUT))
+    led = ledger.measure(step, chunks, embed, head, x, t, mesh=mesh_of(1, stages, 2))
+    runs = pl.chunk_runs(schedule, 0)
+    assert runs["F"] == runs["B"] == micro + stages - 1
+    for s in range(stages):
+        summary = stage_ledger(led, schedule, s).summary()
+        assert summary[("collective-permute", ("model",))].count == runs["F"] + runs["B"]
+        assert summary[("collective-permute", ("stage",))].count == sum(pl.tables(schedule).sent())

@@ -165,3 +165,48 @@ def test_bad_sizes_are_one_sentence(args, match):
     with pytest.raises(PlanError, match=match) as err:
         sc.build(*args)
     assert str(err.value).count(". ") == 0 and str(err.value).endswith(".")
+
+
+@MANY
+@given(schedules())
+def test_the_uniform_form_keeps_every_dependency_across_super_ticks(schedule):
+    """``uniform``: the same actions; each phase row holds only its kind; what crosses to
+    another chunk is read only from the next super tick on (one send per super tick); each
+    stage keeps its forwards' and its backwards' order."""
+    u = sc.uniform(schedule)
+    p = u.period
+    t = times(u)
+    assert set(t) == set(times(schedule))
+    for tick, row in enumerate(u.grid):
+        assert all(a is None or a.kind == u.phases[tick % p] for a in row)
+    for (kind, c, m), tick in t.items():
+        if kind == "F" and c > 0:
+            assert t["F", c - 1, m] // p < tick // p
+        if kind == "B" and c < u.chunks - 1:
+            assert t["B", c + 1, m] // p < tick // p
+
+    def order(grid, stage, kind):
+        return [a for row in grid if (a := row[stage]) and a.kind == kind]
+
+    for s in range(u.stages):
+        for kind in u.phases:
+            assert order(u.grid, s, kind) == order(schedule.grid, s, kind)
+
+
+@MANY
+@given(schedules())
+def test_no_uniform_schedule_is_slower_than_gpipe_and_steady_ones_hold_2s_minus_1(schedule):
+    """In the uniform form a super tick costs the phases some stage runs: no schedule runs more
+    F or B phases than GPipe on the same S and M (1F1B and ZB-H1 exactly as many), and 1F1B
+    and ZB-H1 hold at most 2S − 1 microbatches per stage whatever M (GPipe: M)."""
+    u = sc.uniform(schedule)
+    gpipe = sc.uniform(sc.gpipe(schedule.stages, schedule.micro))
+    phases_run = lambda s, k: sum(any(row) for row in s.grid[s.phases.index(k) :: s.period])  # noqa: E731
+    for kind in ("F", "B"):
+        # interleaved runs chunks of 1/V the layers: compare in layer units
+        assert phases_run(u, kind) <= phases_run(gpipe, kind) * u.virtual, kind
+    if schedule.name in ("1f1b", "zb"):
+        assert phases_run(u, "F") == phases_run(gpipe, "F")
+        assert max(u.in_flight(s) for s in range(u.stages)) <= 2 * u.stages - 1
+    if schedule.name == "gpipe":
+        assert u.in_flight(0) == u.micro

@@ -27,7 +27,11 @@ Per step, with b·t local tokens of width D (w = 4 bytes, float32), L layers:
               (the bytes of L/S layers at b); the embedding's g on stage 0 only and the head's
               f with the cross-entropy's reductions on the last stage only, once per
               microbatch; ONE all-reduce over stage of the embedding's, the norm's and the
-              head's gradients and the loss; the gradient norm over every axis, stage too
+              head's gradients and the loss; the gradient norm over every axis, stage too.
+              A ring over seq runs the uniform form (``schedules.uniform``): every device
+              runs each phase some stage runs, so the layer and ring terms count the F and B
+              phases run (``pipeline.chunk_runs``) and the ends' terms every phase that
+              needs them, on every stage
 
 The Ulysses core and remat have no terms here (``expected`` returns None for them: under
 remat the blocks' collectives re-run in the backward).
@@ -100,7 +104,14 @@ def expected(
     if n_seq > 1:  # K, V: n−1 hops forward and again backward; dK, dV: n hops home
         local_kv = max(cfg.kv_heads // n_model, 1)  # kv_repeat: one head per device
         kv = b * t * local_kv * (cfg.dim // cfg.heads) * W
-        hops = 2 * layers * (n_seq - 1) * 2 + 2 * layers * n_seq
+        forward, backward = layers, layers  # layer runs; under a pipeline, per chunk run
+        if plan.pp != "none":
+            at = mesh["stage"] - 1 if stage is None else stage
+            runs = pipeline.chunk_runs(plan.schedule(), at)
+            per_chunk = layers // (mesh["stage"] * plan.virtual)
+            forward, backward = per_chunk * runs["F"], per_chunk * runs["B"]
+            kv //= plan.microbatches
+        hops = 2 * forward * (n_seq - 1) + 2 * backward * (2 * n_seq - 1)
         out.append(contract.permute("seq", kv, hops, "K, V, dK, dV blocks of h_kv heads"))
     experts = 0 if cfg.experts is None else expert_params(cfg, cfg.experts, mesh)
     if fsdp:
@@ -130,22 +141,23 @@ def _pipeline_terms(cfg: GPTConfig, plan: GPTPlan, tokens: int, stage: int) -> l
     ]  # fmt: skip
     if n_model == 1:
         return out
-    layers = 2 * 2 * cfg.layers // stages * micro  # Megatron f, g per region per layer
-    first, last = stage == 0, stage == stages - 1
+    runs = pipeline.chunk_runs(plan.schedule(), stage)  # M·V each; uniform form: more
+    per_chunk = cfg.layers // (stages * plan.virtual)
+    layers = 2 * per_chunk * (runs["F"] + runs["B"])  # Megatron f, g per region per layer
     out.append(
         contract.all_reduce(
             "model",
             act,
             n_model,
-            layers + micro * (first + last),
-            "Megatron f, g; stage 0: the embedding's g; last: the head's f",
+            layers + runs["first"] + runs["last"],
+            "Megatron f, g; where the embedding runs its g, where the head runs its f",
         )
     )
-    if last:
+    if runs["last"]:
         per_token = tokens // micro * W
         out += [
-            contract.all_reduce("model", per_token, n_model, micro, "cross-entropy max"),
-            contract.all_reduce("model", 2 * per_token, n_model, micro, "Σ exp, target"),
+            contract.all_reduce("model", per_token, n_model, runs["last"], "cross-entropy max"),
+            contract.all_reduce("model", 2 * per_token, n_model, runs["last"], "Σ exp, target"),
         ]
     return out
 

@@ -109,8 +109,11 @@ class GPTPlan:
         return format_mesh(self.mesh) + extra
 
     def schedule(self) -> schedules.Schedule:
-        """The pipeline schedule (``pp`` not "none")."""
-        return schedules.build(self.pp, self.mesh["stage"], self.microbatches, self.virtual)
+        """The pipeline schedule (``pp`` not "none"), in the form the engine runs it: uniform
+        (``schedules.uniform``) when a ring over seq puts a ppermute inside every chunk."""
+        built = schedules.build(self.pp, self.mesh["stage"], self.microbatches, self.virtual)
+        ring = self.core == "ring" and self.mesh["seq"] > 1
+        return schedules.uniform(built) if ring else built
 
 
 def check_plan(cfg: GPTConfig, plan: GPTPlan, batch: int) -> None:
@@ -148,8 +151,8 @@ def check_plan(cfg: GPTConfig, plan: GPTPlan, batch: int) -> None:
 
 
 def _pipeline_checks(cfg: GPTConfig, plan: GPTPlan, batch: int) -> list[tuple[Any, str]]:
-    """(failed, message) pairs for the pipeline: a dense decoder of two batch inputs, no
-    ppermute inside a stage (a ring over seq), layers and the local batch that split."""
+    """(failed, message) pairs for the pipeline: a dense decoder of two batch inputs, layers
+    and the local batch that split."""
     stage, chunks = plan.mesh["stage"], plan.mesh["stage"] * max(plan.virtual, 1)
     local = batch // max(plan.mesh["data"] * plan.mesh["expert"], 1)
     if plan.pp == "none":
@@ -165,8 +168,6 @@ def _pipeline_checks(cfg: GPTConfig, plan: GPTPlan, batch: int) -> list[tuple[An
         (cfg.experts is not None, "The MoE decoder does not pipeline yet (its aux losses and "
          "routing metrics leave the stages); pipeline the dense gpt"),
         (cfg.documents, "Packed documents do not pipeline yet (a stage takes two batch inputs)"),
-        (plan.core == "ring" and plan.mesh["seq"] > 1, "A ring over seq cannot run inside a "
-         "pipeline stage (its ppermute spans every stage); give --sp ulysses"),
         (cfg.layers % chunks, f"layers={cfg.layers} do not split into stage×virtual={chunks} "
          "chunks"),
         (local % max(plan.microbatches, 1), f"The data-local batch ({local}) is not divisible by "

@@ -112,9 +112,9 @@ def pipeline_cases(
     with whatever data, seq and model the remaining devices allow, ZeRO 0, 1 or 3 (FSDP).
 
     M is drawn as the schedule allows: any 1..2S for GPipe and 1F1B (multiples of S or not),
-    a multiple of S for interleaved (V = 1 or 2), S..2S for zb. Tokens over seq run Ulysses
-    (a ring cannot run inside a schedule branch, ``parallel.pipeline``); with model > 1 the
-    mode may be Megatron-SP (a Ulysses core over seq). One layer per chunk: depth = S·V.
+    a multiple of S for interleaved (V = 1 or 2), S..2S for zb. Tokens over seq run Ulysses or
+    a ring (the engine's uniform form, ``parallel.pipeline``); with model > 1 the mode may be
+    Megatron-SP (its core over seq Ulysses or a ring). One layer per chunk: depth = S·V.
     """
     pp = draw(st.sampled_from(list(schedules)))
     stages = draw(st.integers(2, max_devices))
@@ -127,7 +127,8 @@ def pipeline_cases(
         micro = draw(st.integers(stages, 2 * stages))
     else:
         micro = draw(st.integers(1, 2 * stages))
-    sp = "ulysses" if seq > 1 else "none"
+    sp = draw(st.sampled_from(("ulysses", "ring"))) if seq > 1 else "none"
+    ring = sp == "ring"
     if model > 1 and draw(st.booleans()):
         sp = "megatron"
     zero = draw(st.sampled_from((0, 1, 3))) if mesh["data"] > 1 else 0  # ZeRO-2: refused
@@ -136,7 +137,7 @@ def pipeline_cases(
     plan = Plan(
         mesh,
         sp=sp,
-        ulysses=seq if sp == "megatron" and seq > 1 else None,
+        ulysses=seq if sp == "megatron" and seq > 1 and not ring else None,
         zero=zero,
         pp=pp,
         microbatches=micro,

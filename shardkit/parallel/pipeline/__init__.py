@@ -1,10 +1,11 @@
 """Pipeline parallelism: schedules as data, their tables, and the engine that runs them.
 
-Four modules: ``schedules`` (GPipe, 1F1B, interleaved, ZB-H1 as grids of actions),
-``tables`` (a schedule compiled into static int32 tables: actions and buffer slots), ``split``
-(a chunk's backward cut into its input-gradient and weight-gradient halves) and ``engine``
-(``pipeline_grads`` / ``pipeline_forward``: the traced scan over those tables inside
-``shard_map``). This package re-exports their public names.
+Five modules: ``schedules`` (GPipe, 1F1B, interleaved, ZB-H1 as grids of actions, and their
+uniform form), ``tables`` (a schedule compiled into static int32 tables: actions and buffer
+slots), ``split`` (a chunk's backward cut into its input-gradient and weight-gradient halves),
+``engine`` (``pipeline_grads``: the traced scan over those tables inside ``shard_map``) and
+``forward`` (``pipeline_forward``: the forwards alone, for inference). This package
+re-exports their public names.
 
 Model-agnostic: a chunk is any ``stage_fn(chunk_params, x) -> y`` with y typed like x; an
 ``Ends`` holds what comes before chunk 0 (``embed_fn(embed_params, input) -> x``) and after the
@@ -30,23 +31,28 @@ last chunk (``loss_fn(loss_params, y, target) -> scalar``). Per device s of the 
      gradients only. No equation runs in both, so ZB-H1's step does 1F1B's matmuls (the
      compiled count: ``comm.ledger.Ledger.flops``), not one more backward per microbatch.
 
-Collectives inside a chunk (or the embedding, or the loss) run inside the branch of the stage
-that runs it, while the other stages run other branches. A collective whose device groups lie
-within one stage is sound there (``psum``, ``all_gather``, ``psum_scatter``, ``all_to_all``
-over ``model`` or ``seq``: tensor parallelism, Ulysses). A ``ppermute`` is not: XLA's
-collective-permute is one instruction over every device its pairs name, across all stages, so
-running it in a branch that some stages skip is not a valid program (measured on jax 0.10.2
-CPU: wrong values, no error). The engine refuses such a function in one sentence
-(``_check_no_permutes``); ring attention inside a pipeline stage is therefore refused, and
-Ulysses is the sequence-parallel core that composes.
+Two forms run a schedule. The branch form (the default): each tick every stage runs its own
+action as one ``lax.switch`` branch, idle ticks compute nothing, and a collective inside a
+chunk (or the embedding, or the loss) runs only on the stages that take its branch. That is
+sound for a collective whose device groups lie within one stage (``psum``, ``all_gather``,
+``psum_scatter``, ``all_to_all`` over ``model`` or ``seq``: TP, Ulysses), not for a
+``ppermute``: XLA's collective-permute is one instruction over every device of the program,
+across all stages (measured on jax 0.10.2 CPU: wrong values or a rendezvous abort,
+``docs/measure/permute_in_branch.py``). So when a chunk, the embedding or the loss runs a
+``ppermute`` (ring attention), the engine runs the uniform form (``schedules.uniform``): the
+schedule re-timed into super ticks of fixed phases (F, B, then W if split); every device runs
+each phase some stage runs, with the same switch index (``Tables.variants``), on its own table
+entry, and masks what is not its own. Every collective then runs on every device at the same
+point; the price is the masked compute (``chunk_runs`` counts what each device runs).
 
 Buffers hold only what the schedule keeps in flight: the stash, the activation inbox, the
 cotangent inbox and the W stash each have as many slots as the busiest stage's most
 simultaneously live entries (``tables``: slots assigned statically by interval colouring), so
 1F1B's stash has S slots whatever M is, while GPipe's has M. The SPMD program is the same on
-every device, so every device allocates the busiest stage's slots. Idle ticks compute nothing
-(``lax.switch`` to an identity branch); buffers start at zeros and no unwritten slot is ever
-read (the ``poison`` test). The scan is split into segments by send pattern
+every device, so every device allocates the busiest stage's slots. In the branch form idle
+ticks compute nothing (``lax.switch`` to an identity branch); buffers start at zeros and no
+unwritten slot is ever read (the ``poison`` test; in the uniform form, no masked result is
+ever kept). The scan is split into segments by send pattern
 (``Tables.segments``: the steady state, from the first cotangent send to the last activation
 send, is one segment that sends both ways), and each tick of a segment runs one ``ppermute`` of
 one microbatch activation in each direction it uses; a segment compiles only the branches it

@@ -395,7 +395,7 @@ def _forward(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, las
     loss = _masked(row, "last", _like(loss.astype(jnp.float32), state["loss"]))
     state["loss"] = state["loss"] + loss
     state["loss_grads"] = _add(state["loss_grads"], _masked(row, "last", d_loss_params))
-    state["dy_box"] = _store(state["dy_box"], _pick(row, "last", row["dy_in"], -1), dy)
+    state["dy_box"] = _store(state["dy_box"], _pick(row, "last", row["dy_in"], jnp.int32(-1)), dy)
     return state, _pick(row, "last", zeros, _like(y, zeros)), zeros
 
 

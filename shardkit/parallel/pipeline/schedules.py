@@ -11,6 +11,8 @@ M microbatches pass every chunk forward (F) then backward. A schedule is a table
   interleaved(S, M, V)     1F1B over V chunks per device (Megatron-LM, Narayanan et al. 2021)
   zero_bubble(S, M)        ZB-H1 (Qi et al. 2023): the backward split into B (input gradient,
                            on the critical path) and W (weight gradient, deferred into bubbles)
+  uniform(schedule)        any of them re-timed into super ticks of fixed phases, for the
+                           engine's uniform form (a ``ppermute`` inside a chunk)
 
 Every action takes one tick (the papers' unit-time model: a tick is one chunk's F, B or W; an
 unsplit backward B also computes W). The tables are produced by one simulator

@@ -76,8 +76,8 @@ class Tables:
         would make the program, and its compile time, grow with M).
         """
         p = self.period
-        x = self.sends_x.reshape(-1, p).any(axis=1).tolist()
-        dy = self.sends_dy.reshape(-1, p).any(axis=1).tolist()
+        x = [bool(self.sends_x[t * p : (t + 1) * p].any()) for t in range(len(self.sends_x) // p)]
+        dy = [bool(self.sends_dy[t * p : (t + 1) * p].any()) for t in range(len(self.sends_x) // p)]
         ticks = len(x)
         start = dy.index(True) if True in dy else ticks
         stop = ticks - x[::-1].index(True) if True in x else 0
@@ -208,7 +208,7 @@ def chunk_runs(schedule: Schedule, stage: int) -> dict[str, int]:
     needs them). A cost model scales its per-chunk terms by these.
     """
     if schedule.period == 1:
-        kinds = [row[stage].kind for row in schedule.grid if row[stage] is not None]
+        kinds = [a.kind for row in schedule.grid if (a := row[stage]) is not None]
         first = schedule.micro if stage == 0 else 0  # chunk 0 lives on stage 0, C−1 on S−1
         last = schedule.micro if stage == schedule.stages - 1 else 0
         return {"F": kinds.count("F"), "B": kinds.count("B"), "W": kinds.count("W"),
