@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 AXES = ("data", "stage", "expert", "seq", "model")
 SP_MODES = ("none", "megatron", "ring", "ulysses", "usp")
-PP_MODES = ("none", "gpipe", "1f1b", "interleaved", "zb")
+PP_MODES = ("none", "gpipe", "1f1b", "interleaved", "zb", "zbv")
 ZERO_LEVELS = (0, 1, 2, 3)  # none, optimizer state, + gradients, + params (FSDP)
 # What a block keeps for its backward: everything ("none": no recompute), only the outputs of
 # the matmuls without batch dims ("dots": the rest, LayerNorm, softmax, GELU and attention's
@@ -218,7 +218,8 @@ class Plan:
         Python loop over the same stacked params: XLA fuses across layers; faster on a TPU,
         longer to compile).
       pp: the pipeline schedule over ``stage`` (``parallel.schedules``): none, gpipe, 1f1b,
-        interleaved or zb (ZB-H1); needs stage > 1, and stage > 1 needs one.
+        interleaved, zb (ZB-H1) or zbv (ZB-V, two chunks per stage: ``virtual`` becomes 2);
+        needs stage > 1, and stage > 1 needs one.
       microbatches: M, the pipeline's microbatches per data-local batch (1 without a pipeline).
       virtual: V, layer chunks per stage (``interleaved`` only).
       kernel: attention's per-device compute (``KERNELS``): "jnp", "pallas" (JAX's splash
@@ -284,6 +285,8 @@ class Plan:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise PlanError(f"--{name} must be a positive integer, got {value!r}.")
+        if self.pp == "zbv" and self.virtual == 1:  # ZBV's V: two chunks per stage
+            object.__setattr__(self, "virtual", 2)
         self._check_strategies()
 
     def _check_strategies(self) -> None:
@@ -325,13 +328,13 @@ class Plan:
              "seq=1"),
             (none and stages > 1,
              f"The mesh has stage={stages} but no pipeline schedule; give --pp gpipe, 1f1b, "
-             "interleaved or zb"),
+             "interleaved, zb or zbv"),
             (none and self.microbatches > 1,
              f"--microbatches {self.microbatches} only applies with a pipeline (--pp)"),
             (none and virtual > 1, f"--virtual {virtual} only applies with --pp interleaved"),
             (not none and stages == 1,
              f"--pp {pp} needs a stage axis of size > 1 in --mesh (it has stage=1)"),
-            (not none and virtual > 1 and pp != "interleaved",
+            (not none and virtual > 1 and pp != "interleaved" and (pp, virtual) != ("zbv", 2),
              f"--virtual {virtual} only applies to --pp interleaved, not --pp {pp}"),
         ]  # fmt: skip
 

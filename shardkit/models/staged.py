@@ -71,7 +71,8 @@ class Stages:
 
     def order(self, depth: int) -> np.ndarray:
         """order[p] = your layer stored at position p (``pipeline.layer_order``)."""
-        return pipeline.layer_order(depth, self.schedule.stages, self.schedule.virtual)
+        sched = self.schedule
+        return pipeline.layer_order(depth, sched.stages, sched.virtual, sched.name == "zbv")
 
     def to_stage_order(self, tree: PyTree) -> PyTree:
         """A params-shaped tree with its layers in the order the stages hold them."""

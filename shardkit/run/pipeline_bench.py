@@ -43,12 +43,16 @@ Build = Callable[[str], tuple[bench.Contender, Schedule]]  # schedule name -> it
 
 def variants(stages: int, micro: int, depth: int) -> list[tuple[str, int]]:
     """(schedule, V) per schedule this plan can run: interleaved with V = 2 where the layers
-    split into 2·S chunks and S divides M; ZB-H1 where M ≥ S."""
+    split into 2·S chunks and S divides M; ZB-H1 where M ≥ S; ZBV (V = 2) where both the
+    layers split into 2·S chunks and M ≥ S."""
     out = [("gpipe", 1), ("1f1b", 1)]
-    if depth % (2 * stages) == 0 and micro % stages == 0:
+    halves = depth % (2 * stages) == 0
+    if halves and micro % stages == 0:
         out.append(("interleaved", 2))
     if micro >= stages:
         out.append(("zb", 1))
+    if halves and micro >= stages:
+        out.append(("zbv", 2))
     return out
 
 

@@ -164,6 +164,7 @@ PIPELINES = [  # (mesh, plan options): each schedule once, with DP, TP, Ulysses 
     # a causal zigzag ring inside the stages: the engine's uniform form
     ({"stage": 2, "seq": 2, "model": 2},
      dict(pp="interleaved", microbatches=2, virtual=2, layout="zigzag")),
+    ({"data": 2, "stage": 2, "model": 2}, dict(pp="zbv", microbatches=2, fsdp=True)),
 ]  # fmt: skip
 
 
@@ -186,10 +187,24 @@ def test_a_pipelined_gpt_meets_its_contract_stage_by_stage():
     assert len(report["stage_flops"]) == 2
 
 
-def test_a_ring_inside_the_stages_meets_its_contract():
-    """Zigzag causal ring × TP × interleaved, the uniform form: every stage's ledger against
-    terms that count the F and B phases every device runs (``pipeline.chunk_runs``)."""
-    plan = gpt.GPTPlan({"stage": 2, "seq": 2, "model": 2}, "zigzag", pp="interleaved",
-                       microbatches=2, virtual=2)  # fmt: skip
+@pytest.mark.parametrize(
+    "plan",
+    [
+        # a zigzag causal ring inside the stages (uniform form): terms that count the F and B
+        # phases every device runs (``pipeline.chunk_runs``)
+        gpt.GPTPlan(
+            {"stage": 2, "seq": 2, "model": 2},
+            "zigzag",
+            pp="interleaved",
+            microbatches=2,
+            virtual=2,
+        ),
+        # ZBV: the embedding and the head (its f, the cross-entropy's reductions) both on
+        # stage 0, the turn on stage 1 without a send
+        gpt.GPTPlan({"data": 2, "stage": 2, "model": 2}, pp="zbv", microbatches=2, fsdp=True),
+    ],
+    ids=["zigzag ring × interleaved", "ZBV × TP × FSDP"],
+)
+def test_more_pipelines_meet_their_contracts(plan):
     report = json.loads(run_lm.inspect(gpt.GPTConfig(layers=4), plan, BATCH, as_json=True))
     assert report["contract_ok"] and report["ratio"] == pytest.approx(1.0), report["mismatches"]

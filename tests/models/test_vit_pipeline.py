@@ -36,12 +36,13 @@ def _case(pp: str, mesh: dict, micro: int, **kw) -> tuple[vit_ref.ViTConfig, Pla
 
 
 @given(strategies.pipeline_cases())
-@settings(max_examples=1)  # one drawn case beside the five explicit ones (~35 s each on CI)
+@settings(max_examples=1)  # one drawn case beside the six explicit ones (~35 s each on CI)
 @example(_case("gpipe", {"data": 2, "stage": 2, "model": 2}, 3, fsdp=True))
 @example(_case("1f1b", {"stage": 4, "model": 2}, 5, sp="megatron"))
 @example(_case("interleaved", {"stage": 2, "seq": 2}, 2, virtual=2, sp="ulysses"))
 @example(_case("zb", {"data": 2, "stage": 2}, 3, fsdp=True))
 @example(_case("1f1b", {"stage": 2, "seq": 2, "model": 2}, 2, sp="ring"))  # uniform form
+@example(_case("zbv", {"data": 2, "stage": 2, "model": 2}, 2, fsdp=True))
 def test_pipelined_vit_equals_reference(case) -> None:
     cfg, plan, batch = case
     model = ShardedViT(cfg, plan)

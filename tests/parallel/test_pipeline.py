@@ -90,9 +90,11 @@ def reference(chunk_params, embed_params, loss_params, x, targets, ring=0):
     return sum(one(x[m], targets[m]) for m in range(x.shape[0]))
 
 
-def device_order(stages: int, virtual: int) -> np.ndarray:
-    """Chunk indices in the order ``P("stage")`` lays them out: device s holds s, s+S, ..."""
-    return np.array([v * stages + s for s in range(stages) for v in range(virtual)])
+def device_order(schedule: sc.Schedule) -> np.ndarray:
+    """Chunk indices in the order ``P("stage")`` lays them out: device s holds s, s+S, ...
+    (ZBV: s and 2S − 1 − s)."""
+    S, V = schedule.stages, schedule.virtual
+    return np.array([schedule.chunk(s, v) for s in range(S) for v in range(V)])
 
 
 @functools.cache
@@ -133,12 +135,14 @@ def compiled(name: str, data: int, stages: int, model: int, micro: int, virtual:
 def run(name, data, stages, model, micro, virtual=1, poison=False, seed=0, ring=False,
         uniform=None):  # fmt: skip
     """(pipeline results, reference results), the chunks in reference order."""
+    schedule = sc.build(name, stages, micro, virtual)
+    virtual = schedule.virtual  # ZBV: 2
     chunks, embed, head = init(stages * virtual, seed)
     rng = np.random.default_rng(seed + 1)
     tokens = T * model if ring else T
     x = jnp.asarray(rng.normal(size=(micro, B * data, tokens, D_IN)), jnp.float32)
     t = jnp.asarray(rng.normal(size=(micro, B * data, tokens, D_OUT)), jnp.float32)
-    order = device_order(stages, virtual)
+    order = device_order(schedule)
     step = compiled(name, data, stages, model, micro, virtual, poison, ring, uniform)
     loss, grads, embed_grads, head_grads = step(
         jax.tree.map(lambda a: a[order], chunks), embed, head, x, t
@@ -157,7 +161,7 @@ def pipelines(draw):
     if data * stages * model > 8:
         data = model = 1
     virtual = draw(st.integers(1, 2)) if name == "interleaved" else 1
-    low = stages if name == "zb" else 1
+    low = stages if name in ("zb", "zbv") else 1
     micro = draw(st.integers(low, low + 3))
     if name == "interleaved":
         micro = stages * draw(st.integers(1, 2))
@@ -169,6 +173,8 @@ def pipelines(draw):
 @example(("1f1b", 1, 4, 2, 6, 1))  # TP inside each stage
 @example(("interleaved", 1, 2, 2, 4, 2))
 @example(("zb", 2, 3, 1, 5, 1))
+@example(("zbv", 2, 2, 2, 3, 1))  # the V: chunks s and 2S−1−s on stage s, TP inside
+@example(("zbv", 1, 4, 1, 4, 1))  # S > 2: two permutes each way
 def test_pipeline_equals_the_unsharded_loop(case):
     got, want = run(*case)
     names = ("loss", "chunk grads", "embedding grads", "head grads")
@@ -301,6 +307,7 @@ def test_shapes_that_do_not_fit_the_schedule_are_one_sentence(change, match):
 @example(("1f1b", 1, 2, 2, 4, 1))
 @example(("interleaved", 1, 2, 2, 4, 2))
 @example(("zb", 2, 2, 2, 3, 1))
+@example(("zbv", 1, 2, 2, 2, 1))
 def test_a_ppermute_inside_a_chunk_runs_in_the_uniform_form(case):
     """A chunk that ppermutes over model (tokens split there) under every schedule: the engine
     picks the uniform form (each phase on every stage, masked), and the loss and every

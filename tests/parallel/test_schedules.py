@@ -28,7 +28,7 @@ def schedules(draw):
     if name == "interleaved":
         return sc.build(name, stages, stages * draw(st.integers(1, 16 // stages)),
                         draw(st.integers(1, 4)))  # fmt: skip
-    low = stages if name == "zb" else 1
+    low = stages if name in ("zb", "zbv") else 1
     return sc.build(name, stages, draw(st.integers(low, max(low, 16))))
 
 
@@ -39,7 +39,7 @@ def times(schedule):
         assert len(row) == schedule.stages  # one action (or idle) per stage and tick
         for stage, action in enumerate(row):
             if action is not None:
-                key = (action.kind, action.virtual * schedule.stages + stage, action.micro)
+                key = (action.kind, schedule.chunk(stage, action.virtual), action.micro)
                 assert key not in out, key
                 out[key] = tick
     return out
@@ -71,6 +71,7 @@ def test_bubble_read_from_the_table_equals_its_formula(schedule):
         "1f1b": Fraction(s - 1, m + s - 1),
         "interleaved": Fraction(s - 1, v * m + s - 1),
         "zb": Fraction(s - 1, 3 * m + s - 1),
+        "zbv": Fraction(s - 1, 6 * m + s - 1),  # ticks of half a stage's layers
     }[schedule.name]
     assert measured == formula
     assert schedule.bubble() == pytest.approx(float(formula))
@@ -104,7 +105,9 @@ def test_warm_up_and_in_flight_are_the_papers_numbers(schedule):
     GPipe all M forwards, in flight M; 1F1B S−s forwards, in flight min(S−s, M);
     interleaved Megatron's 2(S−s−1) + (V−1)·S warm-up forwards plus the first steady-state
     one (capped at V·M), all in flight; ZB-H1 1F1B's forwards, S in flight on every stage
-    (the W it defers keeps later stages at the first stage's peak, never above)."""
+    (the W it defers keeps later stages at the first stage's peak, never above); ZBV
+    torchtitan's 2(S−s)−1 + s forwards on the first chunk and s + 1 on the second (capped at
+    M), 2S half-stage chunks in flight on every stage."""
     s_, m, v = schedule.stages, schedule.micro, schedule.virtual
     stages = range(s_)
     warm = {
@@ -112,8 +115,9 @@ def test_warm_up_and_in_flight_are_the_papers_numbers(schedule):
         "1f1b": [min(s_ - s, m) for s in stages],
         "zb": [min(s_ - s, m) for s in stages],
         "interleaved": [min(2 * (s_ - s - 1) + (v - 1) * s_ + 1, v * m) for s in stages],
+        "zbv": [min(2 * (s_ - s) - 1 + s, m) + min(s + 1, m) for s in stages],
     }[schedule.name]
-    peak = {"zb": [s_] * s_}.get(schedule.name, warm)
+    peak = {"zb": [s_] * s_, "zbv": [2 * s_] * s_}.get(schedule.name, warm)
     assert warmup_forwards(schedule) == warm
     assert [schedule.in_flight(s) for s in stages] == peak
 
@@ -123,20 +127,27 @@ def test_warm_up_and_in_flight_are_the_papers_numbers(schedule):
 def test_engine_sends_counted_from_the_grid(schedule):
     """The permutes the engine runs (and the cost model charges), from the grid alone: an
     activation leaves at every F of a chunk but the last, a cotangent at every B of a chunk
-    but the first (never at a W); between the first cotangent and the last activation every
-    tick sends both ways (one scanned segment). ``Tables.sent`` must agree."""
-    s_, last = schedule.stages, schedule.chunks - 1
+    but the first (never at a W) whose neighbour chunk is on another stage (ZBV's turn stays
+    on its stage); between the first cotangent and the last activation every tick sends both
+    ways (one scanned segment). ``Tables.sent`` must agree."""
+    last = schedule.chunks - 1
     x_ticks, dy_ticks = set(), set()
     for tick, row in enumerate(schedule.grid):
         for stage, a in enumerate(row):
-            chunk = None if a is None else a.virtual * s_ + stage
-            if a is not None and a.kind == "F" and chunk < last:
+            if a is None:
+                continue
+            chunk = schedule.chunk(stage, a.virtual)
+            if a.kind == "F" and chunk < last and schedule.place(chunk + 1)[0] != stage:
                 x_ticks.add(tick)
-            if a is not None and a.kind == "B" and chunk > 0:
+            if a.kind == "B" and chunk > 0 and schedule.place(chunk - 1)[0] != stage:
                 dy_ticks.add(tick)
     steady = set(range(min(dy_ticks), max(x_ticks) + 1)) if x_ticks and dy_ticks else set()
     tab = tables(schedule)
-    assert tab.sent() == (len(x_ticks | steady), len(dy_ticks | steady))
+    # one permute per direction's permutation: ZBV above S = 2 sends down and up the V
+    permutes = 2 if schedule.name == "zbv" and schedule.stages > 2 else 1
+    assert len(tab.x_pairs) == len(tab.dy_pairs) == (permutes if schedule.stages > 1 else 0)
+    assert tab.sent() == (len(x_ticks | steady) * len(tab.x_pairs),
+                          len(dy_ticks | steady) * len(tab.dy_pairs))  # fmt: skip
     assert set(np.flatnonzero(tab.sends_x)) == x_ticks
     assert set(np.flatnonzero(tab.sends_dy)) == dy_ticks
 

@@ -95,6 +95,8 @@ class GPTPlan:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mesh", {**dict.fromkeys(AXES, 1), **self.mesh})
+        if self.pp == "zbv" and self.virtual == 1:  # ZBV's V: two chunks per stage
+            object.__setattr__(self, "virtual", 2)
 
     @property
     def name(self) -> str:

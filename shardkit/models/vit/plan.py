@@ -135,7 +135,7 @@ def schedule(cfg: vit_ref.ViTConfig, plan: Plan) -> schedules.Schedule:
 def layer_order(cfg: vit_ref.ViTConfig, plan: Plan) -> np.ndarray:
     """order[p] = the vit_ref layer stored at position p of the stacked blocks
     (``pipeline.layer_order`` of the depth over the plan's stages and virtual chunks)."""
-    return pipeline.layer_order(cfg.depth, plan.size("stage"), plan.virtual)
+    return pipeline.layer_order(cfg.depth, plan.size("stage"), plan.virtual, plan.pp == "zbv")
 
 
 def ulysses_factor(cfg: vit_ref.ViTConfig, plan: Plan) -> int:

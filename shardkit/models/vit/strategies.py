@@ -112,18 +112,19 @@ def pipeline_cases(
     with whatever data, seq and model the remaining devices allow, ZeRO 0, 1 or 3 (FSDP).
 
     M is drawn as the schedule allows: any 1..2S for GPipe and 1F1B (multiples of S or not),
-    a multiple of S for interleaved (V = 1 or 2), S..2S for zb. Tokens over seq run Ulysses or
-    a ring (the engine's uniform form, ``parallel.pipeline``); with model > 1 the mode may be
-    Megatron-SP (its core over seq Ulysses or a ring). One layer per chunk: depth = S·V.
+    a multiple of S for interleaved (V = 1 or 2), S..2S for zb and zbv (V = 2). Tokens over
+    seq run Ulysses or a ring (the engine's uniform form, ``parallel.pipeline``); with model >
+    1 the mode may be Megatron-SP (its core over seq Ulysses or a ring). One layer per chunk:
+    depth = S·V.
     """
     pp = draw(st.sampled_from(list(schedules)))
     stages = draw(st.integers(2, max_devices))
     mesh = {**draw(meshes(max_devices // stages)), "stage": stages}
     seq, model = mesh["seq"], mesh["model"]
-    virtual = draw(st.integers(1, 2)) if pp == "interleaved" else 1
+    virtual = draw(st.integers(1, 2)) if pp == "interleaved" else 2 if pp == "zbv" else 1
     if pp == "interleaved":
         micro = stages * draw(st.integers(1, 2))
-    elif pp == "zb":
+    elif pp in ("zb", "zbv"):
         micro = draw(st.integers(stages, 2 * stages))
     else:
         micro = draw(st.integers(1, 2 * stages))

@@ -26,7 +26,6 @@ from shardkit.parallel.pipeline.tables import (
     IDLE,
     SEGMENT_SCOPE,
     Tables,
-    forward_pairs,
     tables,
 )
 from shardkit.parallel.vma import tree_varying_axes, vary, vary_tree, varying_axes
@@ -111,7 +110,7 @@ def pipeline_grads(
     split = _split_backward(schedule, vjp_def, leaves, y0, tab, state, (act_axes, fill))
     stage = jax.lax.axis_index(axis)
     ctx = _Context(schedule, stage_fn, stage_params, ends, inputs, targets, axis, stage,
-                   vjp_def, keep, split)  # fmt: skip
+                   vjp_def, keep, split, tab.x_pairs, tab.dy_pairs)  # fmt: skip
     state = _run_segments(ctx, tab, state)
     ends_sums = (state["loss"], state["embed_grads"], state["loss_grads"])
     loss, embed_grads, loss_grads = jax.lax.psum(ends_sums, axis)
@@ -210,8 +209,8 @@ def _initial_state(
         embed_grads=jax.tree.map(jnp.zeros_like, ends.embed_params),
         loss_grads=jax.tree.map(jnp.zeros_like, ends.loss_params),
         loss=vary(jnp.zeros((), jnp.float32), act_axes),
-        recv_x=act,
-        recv_dy=act,
+        recv_x=[act] * len(tab.x_pairs),  # what each permute delivered, stored next tick
+        recv_dy=[act] * len(tab.dy_pairs),
     )
 
 
@@ -252,13 +251,13 @@ class _Context:
     vjp_def: Any
     keep: tuple[int, ...]  # per vjp leaf: chunk param index, or −1 (stashed)
     split: SplitBackward | None  # split schedules: the backward cut into B and W
+    x_pairs: tuple[tuple[tuple[int, int], ...], ...] = ()  # per activation permute, its pairs
+    dy_pairs: tuple[tuple[tuple[int, int], ...], ...] = ()
 
 
 def _tick_body(ctx: _Context, send_x: bool, send_dy: bool, used: list[int]) -> Callable[..., Any]:
     """One tick: store what arrived, run the branch (among ``used``, by ``branch_index``),
     send."""
-    pairs = forward_pairs(ctx.schedule)
-    backward_pairs = [(d, s) for s, d in pairs]
     branches = [_idle] + [
         functools.partial(fn, first=first, last=last)
         for fn in (_forward, _backward, _weights)
@@ -269,18 +268,34 @@ def _tick_body(ctx: _Context, send_x: bool, send_dy: bool, used: list[int]) -> C
 
     def body(state: dict[str, Any], rows: dict[str, jax.Array]) -> tuple[dict[str, Any], None]:
         row = {k: v[ctx.stage] for k, v in rows.items()}
-        state = dict(state)
-        state["x_box"] = _store(state["x_box"], row["x_arrive"], state["recv_x"])
-        state["dy_box"] = _store(state["dy_box"], row["dy_arrive"], state["recv_dy"])
+        state = _arrivals(state, row)
         state, out_x, out_dy = jax.lax.switch(
             row["branch"], [functools.partial(b, ctx) for b in branches], state, row
         )
-        zeros = jnp.zeros_like(state["recv_x"])
-        state["recv_x"] = jax.lax.ppermute(out_x, ctx.axis, pairs) if send_x else zeros
-        state["recv_dy"] = jax.lax.ppermute(out_dy, ctx.axis, backward_pairs) if send_dy else zeros
-        return state, None
+        return _send(ctx, state, (out_x, send_x), (out_dy, send_dy)), None
 
     return body
+
+
+def _arrivals(state: dict[str, Any], row: Row) -> dict[str, Any]:
+    """state with what each permute delivered last tick stored in its inbox slot."""
+    state = dict(state)
+    for box, recv, arrive in (("x_box", "recv_x", "x_arrive"), ("dy_box", "recv_dy", "dy_arrive")):
+        for k, value in enumerate(state[recv]):
+            state[box] = _store(state[box], row[arrive][k], value)
+    return state
+
+
+def _send(
+    ctx: _Context, state: dict[str, Any], x: tuple[jax.Array, bool], dy: tuple[jax.Array, bool]
+) -> dict[str, Any]:
+    """state with this tick's activation and cotangent sent over each of their permutes
+    (``Tables.x_pairs`` / ``dy_pairs``), or zeros in a segment that does not send them."""
+    state = dict(state)
+    zeros = _zeros(state)
+    for recv, (out, sends), pairs in (("recv_x", x, ctx.x_pairs), ("recv_dy", dy, ctx.dy_pairs)):
+        state[recv] = [jax.lax.ppermute(out, ctx.axis, p) if sends else zeros for p in pairs]
+    return state
 
 
 def _uniform_segment(
@@ -290,7 +305,7 @@ def _uniform_segment(
     tables [ticks, P, S] and per phase the variant every stage runs (its switch position)."""
     start, stop = span
     period = tab.period
-    rows = {k: v.reshape(-1, period, v.shape[1]) for k, v in tab.rows(start, stop).items()}
+    rows = {k: v.reshape(-1, period, *v.shape[1:]) for k, v in tab.rows(start, stop).items()}
     variants = tab.variants[start:stop]
     used = [sorted({IDLE, *np.unique(variants[:, p]).tolist()}) for p in range(period)]
     position = np.stack([np.searchsorted(u, variants[:, p]) for p, u in enumerate(used)], 1)
@@ -303,26 +318,16 @@ def _uniform_segment(
         ]
         for u in used
     ]  # fmt: skip
-    pairs = forward_pairs(ctx.schedule)
-    backward_pairs = [(d, s) for s, d in pairs]
 
     def body(state: dict[str, Any], xs: dict[str, Any]) -> tuple[dict[str, Any], None]:
-        state = dict(state)
-        first = {k: v[0, ctx.stage] for k, v in xs["rows"].items()}
-        state["x_box"] = _store(state["x_box"], first["x_arrive"], state["recv_x"])
-        state["dy_box"] = _store(state["dy_box"], first["dy_arrive"], state["recv_dy"])
+        state = _arrivals(state, {k: v[0, ctx.stage] for k, v in xs["rows"].items()})
         out = {}
         for p, kind in enumerate(ctx.schedule.phases):
             row = _stage_masks({k: v[p, ctx.stage] for k, v in xs["rows"].items()})
             branches = [functools.partial(b, ctx) for b in phases[p]]
             state, out_x, out_dy = jax.lax.switch(xs["position"][p], branches, state, row)
             out[kind] = out_x if kind == "F" else out_dy
-        zeros = jnp.zeros_like(state["recv_x"])
-        state["recv_x"] = jax.lax.ppermute(out["F"], ctx.axis, pairs) if send_x else zeros
-        state["recv_dy"] = (
-            jax.lax.ppermute(out["B"], ctx.axis, backward_pairs) if send_dy else zeros
-        )
-        return state, None
+        return _send(ctx, state, (out["F"], send_x), (out["B"], send_dy)), None
 
     return body, {"rows": rows, "position": position.astype(np.int32)}
 
@@ -354,7 +359,7 @@ Row = dict[str, jax.Array]
 
 
 def _idle(ctx: _Context, state: dict[str, Any], row: Row) -> Branch:
-    zeros = jnp.zeros_like(state["recv_x"])
+    zeros = _zeros(state)
     return state, zeros, zeros
 
 
@@ -374,7 +379,7 @@ def _embed(ctx: _Context, row: Row) -> tuple[jax.Array, Callable[..., Any]]:
 def _forward(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, last: bool) -> Branch:
     """F: the chunk's forward; its vjp residuals stashed; y sent on, or the loss taken."""
     state = dict(state)
-    zeros = jnp.zeros_like(state["recv_x"])
+    zeros = _zeros(state)
     x = state["x_box"][jnp.maximum(row["x_in"], 0)]
     if first:
         x = _pick(row, "first", _like(_embed(ctx, row)[0], zeros), x)
@@ -386,6 +391,7 @@ def _forward(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, las
     state["stash"] = [
         _store(b, row["stash"], leaf) for b, leaf in zip(state["stash"], stashed, strict=True)
     ]
+    state["x_box"] = _store(state["x_box"], row["x_local"], y)  # ZBV's turn (−1: no-op)
     if not last:
         return state, _like(y, zeros), zeros
     loss_fn = ctx.ends.loss_fn
@@ -411,7 +417,7 @@ def _backward(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, la
     the weight gradient here too; split ones run only the backward's input-gradient half and
     stash what W needs (``split.SplitBackward``)."""
     state = dict(state)
-    zeros = jnp.zeros_like(state["recv_x"])
+    zeros = _zeros(state)
     dy = state["dy_box"][jnp.maximum(row["dy_in"], 0)]
     leaves = _vjp_leaves(ctx, state, row)
     if ctx.split is None:
@@ -424,6 +430,7 @@ def _backward(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, la
             for buf, value in zip(state["w_stash"], [*cut, dx], strict=True)
         ]
     dx_out = _like(dx, zeros)
+    state["dy_box"] = _store(state["dy_box"], row["dy_local"], dx_out)  # ZBV's turn (−1: no-op)
     return state, zeros, _pick(row, "first", zeros, dx_out) if first else dx_out
 
 
@@ -431,7 +438,7 @@ def _weights(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, las
     """W (split schedules): the weight gradient of a chunk whose B already ran, from B's cut."""
     assert ctx.split is not None
     state = dict(state)
-    zeros = jnp.zeros_like(state["recv_x"])
+    zeros = _zeros(state)
     dy = state["dy_box"][jnp.maximum(row["dy_in"], 0)]
     *cut, dx = (buf[jnp.maximum(row["w_stash"], 0)] for buf in state["w_stash"])
     dp = ctx.split.weight_grad(_vjp_leaves(ctx, state, row), dy, cut=cut)
@@ -450,7 +457,7 @@ def _weight_grads(
         _masked(row, "active", dp),
     )
     if first:
-        (d_embed,) = _embed(ctx, row)[1](_like(dx, state["recv_x"]))
+        (d_embed,) = _embed(ctx, row)[1](_like(dx, state["x_box"]))
         state["embed_grads"] = _add(state["embed_grads"], _masked(row, "first", d_embed))
     return state
 
@@ -485,6 +492,11 @@ def _permute_axes(jaxpr: Any) -> set[str]:
                 if hasattr(inner, "eqns"):
                     out |= _permute_axes(inner)
     return out
+
+
+def _zeros(state: dict[str, Any]) -> jax.Array:
+    """An activation of zeros, typed as the inbox's."""
+    return jnp.zeros_like(state["x_box"][0])
 
 
 def _add(acc: Any, grads: Any) -> Any:

@@ -27,7 +27,7 @@ from shardkit.parallel.pipeline.engine import (
     _store,
 )
 from shardkit.parallel.pipeline.schedules import Schedule
-from shardkit.parallel.pipeline.tables import forward_pairs, forward_tables
+from shardkit.parallel.pipeline.tables import forward_tables
 from shardkit.parallel.vma import tree_varying_axes, vary, vary_tree
 
 
@@ -66,23 +66,24 @@ def pipeline_forward(
     state = dict(
         x_box=_buffer(tab.x_slots, act, 0.0),
         out=_buffer(schedule.micro, vary(out0, act_axes), 0.0),
-        recv=act,
+        recv=[act] * len(tab.x_pairs),  # what each permute delivered, stored next tick
     )
     stage = jax.lax.axis_index(axis)
-    pairs = forward_pairs(schedule)
     ends = (embed_fn, embed_params, head_fn, head_params)
     branches = _forward_branches(stage_fn, stage_params, ends, inputs, act)
 
     def tick(send: bool) -> Callable[..., Any]:
         def body(state: dict[str, Any], xs: dict[str, Any]) -> tuple[Any, None]:
             row = {k: v[stage] for k, v in xs["rows"].items()}
-            state = dict(state, x_box=_store(state["x_box"], row["x_arrive"], state["recv"]))
+            state = dict(state)
+            for k, value in enumerate(state["recv"]):
+                state["x_box"] = _store(state["x_box"], row["x_arrive"][k], value)
             if uniform:  # every stage runs the tick's variant, masked by its own entry
                 row, index = _stage_masks(row), xs["variant"]
             else:
                 index = row["branch"]
             state, out = jax.lax.switch(index, branches, state, row)
-            state["recv"] = jax.lax.ppermute(out, axis, pairs) if send else act
+            state["recv"] = [jax.lax.ppermute(out, axis, p) if send else act for p in tab.x_pairs]
             return state, None
 
         return body
@@ -117,6 +118,7 @@ def _forward_branches(
         if first:
             x = _pick(row, "first", _like(embed_fn(embed_params, _micro(inputs, row)), act), x)
         y = stage_fn(chunk, x)
+        state["x_box"] = _store(state["x_box"], row["x_local"], _like(y, act))  # ZBV's turn
         if not last:
             return state, _like(y, act)
         out = _like(head_fn(head_params, y), state["out"])

@@ -11,6 +11,9 @@ M microbatches pass every chunk forward (F) then backward. A schedule is a table
   interleaved(S, M, V)     1F1B over V chunks per device (Megatron-LM, Narayanan et al. 2021)
   zero_bubble(S, M)        ZB-H1 (Qi et al. 2023): the backward split into B (input gradient,
                            on the critical path) and W (weight gradient, deferred into bubbles)
+  zbv(S, M)                ZB-V (Qi et al. 2023, §6; torchtitan's ScheduleZBVZeroBubble): two
+                           chunks per stage in a V (stage s holds chunks s and 2S−1−s), the
+                           backward split as in ZB-H1
   uniform(schedule)        any of them re-timed into super ticks of fixed phases, for the
                            engine's uniform form (a ``ppermute`` inside a chunk)
 
@@ -22,7 +25,8 @@ a deferred W whenever its next F or B is not ready. ``Schedule.check`` proves th
 the engine relies on; ``Schedule.bubble`` reads the idle fraction from the table.
 
 Bubble fractions (idle ticks / all ticks, per stage): GPipe and 1F1B (S−1)/(M+S−1);
-interleaved (S−1)/(V·M+S−1); ZB-H1 (S−1)/(3M+S−1) — in ticks of one F, B or W each, where
+interleaved (S−1)/(V·M+S−1); ZB-H1 (S−1)/(3M+S−1); ZBV (S−1)/(6M+S−1) in ticks of half a
+stage's layers (M ≥ S) — in ticks of one F, B or W each, where
 1F1B's unsplit backward counts as one tick; measured on the same time scale (a full backward
 = B + W = 2 ticks) 1F1B idles 3(S−1) of 3(M+S−1) while ZB-H1 idles S−1 of 3M+S−1.
 """
@@ -35,7 +39,7 @@ from collections.abc import Sequence
 from shardkit.mesh import PlanError
 
 KINDS = ("F", "B", "W")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +88,18 @@ class Schedule:
     def phases(self) -> tuple[str, ...]:
         """The kinds a uniform super tick runs, in order (F, B and, if split, W)."""
         return KINDS if self.split else KINDS[:2]
+
+    def chunk(self, stage: int, virtual: int) -> int:
+        """The model chunk that ``stage`` holds as its chunk ``virtual``."""
+        return _chunk(self.name == "zbv", self.stages, stage, virtual)
+
+    def place(self, chunk: int) -> tuple[int, int]:
+        """(stage, virtual) holding model chunk ``chunk``: v·S + s, or ZBV's V."""
+        for stage in range(self.stages):
+            for virtual in range(self.virtual):
+                if self.chunk(stage, virtual) == chunk:
+                    return stage, virtual
+        raise ValueError(f"no chunk {chunk} in {self.name}")
 
     def arrival(self, tick: int) -> int:
         """The first tick that can read what ``tick`` sent to another stage."""
@@ -134,7 +150,7 @@ class Schedule:
                     continue
                 assert action.kind in self.phases, action
                 assert self.period == 1 or action.kind == self.phases[tick % self.period], action
-                key = (action.kind, action.virtual * self.stages + stage, action.micro)
+                key = (action.kind, self.chunk(stage, action.virtual), action.micro)
                 assert key not in done, f"{key} runs twice"
                 assert 0 <= action.micro < self.micro and 0 <= action.virtual < self.virtual
                 done[key] = tick
@@ -228,18 +244,37 @@ def zero_bubble(stages: int, micro: int) -> Schedule:
     return _schedule("zb", stages, micro, 1, True, order)
 
 
+def zbv(stages: int, micro: int) -> Schedule:
+    """ZB-V: stage s holds chunks s and 2S−1−s, so a microbatch goes down the stages and back
+    up (chunk 0, the embedding, and chunk 2S−1, the loss, both on stage 0; the turn, chunks
+    S−1 and S, on stage S−1 without a send). Stage s runs torchtitan's ZBV order of F and B
+    (its 2(S−s)−1 warm-up forwards on the first chunk, s pairs of both, S−s F/B on the second,
+    then F/B pairs on each chunk in turn); each W is deferred as in ZB-H1, holding no more
+    than 2S half-stage chunks (1F1B's S stages of activations). Needs M >= S."""
+    _check_sizes(stages, micro, 1)
+    if micro < stages:
+        raise PlanError(
+            f"The ZB-V schedule needs at least as many microbatches as stages "
+            f"(M={micro} < S={stages})."
+        )
+    orders = [_zbv_order(stages, s, micro) for s in range(stages)]
+    return _schedule("zbv", stages, micro, 2, True, orders)
+
+
 def build(name: str, stages: int, micro: int, virtual: int = 1) -> Schedule:
     """The schedule called ``name`` (one of ``SCHEDULES``); PlanError for a bad combination."""
     if name not in SCHEDULES:
         raise PlanError(
             f"Unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}."
         )
-    if virtual != 1 and name != "interleaved":
+    if virtual != 1 and name != "interleaved" and (name, virtual) != ("zbv", 2):
         raise PlanError(
             f"--virtual {virtual} only applies to the interleaved schedule, not {name!r}."
         )
     if name == "interleaved":
         return interleaved(stages, micro, virtual)
+    if name == "zbv":
+        return zbv(stages, micro)
     return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb": zero_bubble}[name](stages, micro)
 
 
@@ -278,6 +313,8 @@ def bubble_formula(name: str, stages: int, micro: int, virtual: int = 1) -> floa
         return (s - 1) / (virtual * m + s - 1)
     if name == "zb":
         return (s - 1) / (3 * m + s - 1)
+    if name == "zbv":
+        return (s - 1) / (6 * m + s - 1)
     return (s - 1) / (m + s - 1)
 
 
@@ -313,18 +350,55 @@ def _one_f_one_b_order(warmup: int, micro: int, virtual: int, stages: int) -> li
     return order + backwards[len(forwards) - warmup :]
 
 
+def _zbv_order(stages: int, stage: int, micro: int) -> list[Op]:
+    """Stage ``stage``'s F / B order in ZB-V (torchtitan's ``ScheduleZBVZeroBubble``), built
+    for max(M, 2S − 1) microbatches and the extra ones dropped."""
+    n = max(micro, 2 * stages - 1)
+    count = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0}
+    order: list[Op] = []
+
+    def add(*ops: tuple[str, int]) -> None:
+        for kind, v in ops:
+            order.append((kind, count[(kind, v)], v))
+            count[(kind, v)] += 1
+
+    for _ in range(2 * (stages - stage) - 1):
+        add(("F", 0))
+    for _ in range(stage):
+        add(("F", 1), ("F", 0))
+    for _ in range(stages - stage):
+        add(("F", 1), ("B", 1))
+    while count[("F", 1)] < count[("F", 0)] or count[("F", 0)] < n:
+        if count[("F", 0)] < n:
+            add(("F", 0))
+        add(("B", 0), ("F", 1), ("B", 1))
+    for _ in range(stage):
+        add(("B", 0), ("B", 1))
+    for _ in range(stages - stage):
+        add(("B", 0))
+    return [op for op in order if op[1] < micro]
+
+
 def _schedule(
     name: str, stages: int, micro: int, virtual: int, split: bool, orders: Sequence[list[Op]]
 ) -> Schedule:
-    grid = _simulate(stages, micro, virtual, split, orders)
+    grid = _simulate(stages, micro, virtual, split, orders, name == "zbv")
     schedule = Schedule(name, stages, micro, virtual, split, grid)
     schedule.check()
     return schedule
 
 
+def _chunk(v_shape: bool, stages: int, stage: int, virtual: int) -> int:
+    """Chunk ``virtual`` of ``stage``: v·S + s, or in ZBV's V s (v = 0) and 2S − 1 − s."""
+    if v_shape:
+        return stage if virtual == 0 else 2 * stages - 1 - stage
+    return virtual * stages + stage
+
+
 def _simulate(
-    stages: int, micro: int, virtual: int, split: bool, orders: Sequence[list[Op]]
-) -> Grid:
+    stages: int, micro: int, virtual: int, split: bool, orders: Sequence[list[Op]],
+    v_shape: bool = False,
+) -> Grid:  # fmt: skip
     """Runs each stage's ``orders`` greedily: an action runs at the first tick its inputs are
     there (produced on an earlier tick). With ``split``, each B leaves a W pending, run at the
     first tick the stage's next F / B cannot run, and at the end."""
@@ -337,7 +411,7 @@ def _simulate(
 
     def ready(op: Op, stage: int, tick: int) -> bool:
         kind, m, v = op
-        chunk = v * stages + stage
+        chunk = _chunk(v_shape, stages, stage, v)
         if kind == "F":
             return chunk == 0 or finished.get(("F", chunk - 1, m), tick) < tick
         after = ("F", chunk, m) if chunk == chunks - 1 else ("B", chunk + 1, m)
@@ -352,8 +426,10 @@ def _simulate(
             op: Op | None = None
             if position[stage] < len(orders[stage]):
                 candidate = orders[stage][position[stage]]
-                # ZB-H1 holds no more activations than 1F1B's first stage does: S microbatches.
-                full = candidate[0] == "F" and live[stage] >= stages and pending[stage]
+                # ZB-H1 holds no more activations than 1F1B's first stage does: S microbatches
+                # (ZBV: 2S half-stage chunks, the same memory).
+                limit = 2 * stages if v_shape else stages
+                full = candidate[0] == "F" and live[stage] >= limit and pending[stage]
                 if ready(candidate, stage, tick) and not full:
                     op, position[stage] = candidate, position[stage] + 1
                     if split and candidate[0] == "B":
@@ -361,7 +437,7 @@ def _simulate(
             if op is None and pending[stage]:
                 op = pending[stage].pop(0)
             if op is not None:
-                finished[(op[0], op[2] * stages + stage, op[1])] = tick
+                finished[(op[0], _chunk(v_shape, stages, stage, op[2]), op[1])] = tick
                 live[stage] += {"F": 1, "W": -1}.get(op[0], 0)
             row.append(None if op is None else Action(op[0], op[1], op[2]))
         grid.append(tuple(row))
@@ -389,7 +465,7 @@ def _simulate_uniform(schedule: Schedule, orders: list[list[Op]], caps: list[int
         ops = [op for op in left[stage] if op[0] == "F"][:1] if kind == "F" else left[stage][:1]
         for op in ops:
             _, m, v = op
-            chunk = v * S + stage
+            chunk = schedule.chunk(stage, v)
             if kind == "F" and (live[stage] >= caps[stage] or not (
                 chunk == 0 or arrived(("F", chunk - 1, m), tick)
             )):  # fmt: skip
@@ -410,7 +486,7 @@ def _simulate_uniform(schedule: Schedule, orders: list[list[Op]], caps: list[int
             for stage in range(S):
                 op = pick(stage, kind, tick)
                 if op is not None:
-                    done[(kind, op[2] * S + stage, op[1])] = tick
+                    done[(kind, schedule.chunk(stage, op[2]), op[1])] = tick
                     last_use = "W" if schedule.split else "B"
                     live[stage] += {"F": 1, last_use: -1}.get(kind, 0)
                     if kind == "B" and schedule.split:
@@ -430,5 +506,6 @@ __all__ = [
     "interleaved",
     "one_f_one_b",
     "uniform",
+    "zbv",
     "zero_bubble",
 ]

@@ -36,8 +36,15 @@ class Tables:
     branch: ``branch_index`` of the action (0: idle); micro, virtual: the action's
     microbatch and chunk-on-device; stash, x_in, dy_in: the slot the action reads or writes
     (−1: none); w_stash: the slot B writes and W reads (split schedules: what B computed
-    that W needs); x_arrive, dy_arrive: the slot the value received at this tick's start is
-    stored in (−1: nothing arrives). sends_x / sends_dy [ticks]: some stage sends.
+    that W needs); x_arrive, dy_arrive [ticks, S, permutes]: the slot the value each permute
+    delivered at this tick's start is stored in (−1: nothing arrives); x_local, dy_local: the
+    slot an F / B stores its own output in when the next chunk is on the same stage (ZBV's
+    turn). sends_x / sends_dy [ticks]: some stage sends. x_pairs, dy_pairs: the ``ppermute``
+    pairs of each permute that carries activations / cotangents.
+    period: the schedule's (1: branch form; P: uniform form, tick t·P + p is phase p of super
+    tick t). variants [super ticks, P] (uniform form): per phase, the ``branch_index`` every
+    stage runs (its kind, with the first / last chunk parts if some stage needs them; each
+    stage masks what is not its own), 0 where no stage acts and the phase is skipped.
     """
 
     branch: np.ndarray
@@ -57,11 +64,15 @@ class Tables:
     w_slots: int
     period: int = 1
     variants: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 1), np.int32))
+    x_pairs: tuple[tuple[tuple[int, int], ...], ...] = ()
+    dy_pairs: tuple[tuple[tuple[int, int], ...], ...] = ()
+    x_local: np.ndarray | None = None
+    dy_local: np.ndarray | None = None
 
     def rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
         """The tables of (super) ticks [start, stop): [ticks·period, S] each."""
         names = ("branch", "micro", "virtual", "stash", "x_in", "dy_in", "w_stash", "x_arrive",
-                 "dy_arrive")  # fmt: skip
+                 "dy_arrive", "x_local", "dy_local")  # fmt: skip
         p = self.period
         return {name: getattr(self, name)[start * p : stop * p] for name in names}
 
@@ -86,10 +97,12 @@ class Tables:
         return [*_runs(x, dy, 0, start), (start, stop, True, True), *_runs(x, dy, stop, ticks)]
 
     def sent(self) -> tuple[int, int]:
-        """(ticks that send activations, ticks that send cotangents) as the engine runs them:
-        one ``ppermute`` of one microbatch activation each."""
+        """(activation sends, cotangent sends) as the engine runs them: per sending tick one
+        ``ppermute`` of one microbatch activation per permutation of the schedule's pairs
+        (one, but ZBV's two directions above S = 2)."""
         segs = self.segments()
-        return sum(b - a for a, b, sx, _ in segs if sx), sum(b - a for a, b, _, sd in segs if sd)
+        x = sum(b - a for a, b, sx, _ in segs if sx) * len(self.x_pairs)
+        return x, sum(b - a for a, b, _, sd in segs if sd) * len(self.dy_pairs)
 
 
 Segment = tuple[int, int, bool, bool]
@@ -114,29 +127,33 @@ def tables(schedule: Schedule) -> Tables:
     for tick, row in enumerate(schedule.grid):
         for stage, a in enumerate(row):
             if a is not None:
-                when[(a.kind, a.virtual * S + stage, a.micro)] = tick
+                when[(a.kind, schedule.chunk(stage, a.virtual), a.micro)] = tick
+    stage_of = {c: schedule.place(c)[0] for c in range(C)}
+    x_moves = _Moves(schedule, when, stage_of, "F", -1)  # chunk c−1's F feeds chunk c's
+    dy_moves = _Moves(schedule, when, stage_of, "B", +1)  # chunk c+1's B feeds chunk c's
     last_use = "W" if schedule.split else "B"
     stash, x_box, dy_box, w_box = {}, {}, {}, {}  # (chunk, micro) -> (stage, first, last tick)
     for (kind, c, m), tick in when.items():
         if kind != "F":
             continue
-        stash[(c, m)] = (c % S, tick, when[(last_use, c, m)])
+        s = stage_of[c]
+        stash[(c, m)] = (s, tick, when[(last_use, c, m)])
         if schedule.split:
-            w_box[(c, m)] = (c % S, when[("B", c, m)], when[("W", c, m)])
-        if c > 0:  # arrives the (super) tick after F on the previous chunk
-            x_box[(c, m)] = (c % S, schedule.arrival(when[("F", c - 1, m)]), tick)
-        start = tick if c == C - 1 else schedule.arrival(when[("B", c + 1, m)])
-        dy_box[(c, m)] = (c % S, start, when[(last_use, c, m)])
+            w_box[(c, m)] = (s, when[("B", c, m)], when[("W", c, m)])
+        if c > 0:
+            x_box[(c, m)] = (s, x_moves.arrives(c, m), tick)
+        start = tick if c == C - 1 else dy_moves.arrives(c, m)
+        dy_box[(c, m)] = (s, start, when[(last_use, c, m)])
     boxes = {"stash": stash, "x": x_box, "dy": dy_box, "w": w_box}
     slots = {name: _colour(box) for name, box in boxes.items()}
 
     def table(fill: int = -1) -> np.ndarray:
         return np.full((T, S), fill, np.int32)
 
-    t = {k: table() for k in ("stash", "x_in", "dy_in", "w_stash", "x_arrive", "dy_arrive")}
+    t = {k: table() for k in ("stash", "x_in", "dy_in", "w_stash", "x_local", "dy_local")}
     branch, micro, virtual = table(IDLE), table(0), table(0)
     for (kind, c, m), tick in when.items():
-        s, v = c % S, c // S
+        s, v = schedule.place(c)
         micro[tick, s], virtual[tick, s] = m, v
         branch[tick, s] = branch_index(kind, c == 0, c == C - 1)
         t["stash"][tick, s] = slots["stash"][(c, m)]
@@ -145,22 +162,73 @@ def tables(schedule: Schedule) -> Tables:
             t["w_stash"][tick, s] = slots["w"][(c, m)]
         if kind == "F" and c > 0:
             t["x_in"][tick, s] = slots["x"][(c, m)]
-    for (c, m), (s, start, _) in x_box.items():
-        t["x_arrive"][start, s] = slots["x"][(c, m)]
-    for (c, m), (s, start, _) in dy_box.items():
-        if c < C - 1:
-            t["dy_arrive"][start, s] = slots["dy"][(c, m)]
-    sends_x = np.zeros(T, bool)
-    sends_dy = np.zeros(T, bool)
-    for (kind, c, _m), tick in when.items():
-        sends_x[tick] |= kind == "F" and c < C - 1
-        sends_dy[tick] |= kind == "B" and c > 0
+    x_arrive = x_moves.place(slots["x"], t["x_local"], T)
+    dy_arrive = dy_moves.place(slots["dy"], t["dy_local"], T)
     sizes = {name: 1 + max(v.values(), default=0) for name, v in slots.items()}
     return Tables(
-        branch, micro, virtual, t["stash"], t["x_in"], t["dy_in"], t["w_stash"], t["x_arrive"],
-        t["dy_arrive"], sends_x, sends_dy, sizes["stash"], sizes["x"], sizes["dy"], sizes["w"],
-        schedule.period, _variants(schedule, branch),
+        branch, micro, virtual, t["stash"], t["x_in"], t["dy_in"], t["w_stash"], x_arrive,
+        dy_arrive, x_moves.sends, dy_moves.sends, sizes["stash"], sizes["x"], sizes["dy"],
+        sizes["w"], schedule.period, _variants(schedule, branch), x_moves.permutes,
+        dy_moves.permutes, t["x_local"], t["dy_local"],
     )  # fmt: skip
+
+
+class _Moves:
+    """How one kind's output reaches the chunk that reads it: activations from chunk c−1's F
+    to chunk c, cotangents from chunk c+1's B to chunk c. Between stages by ``ppermute``
+    (pairs grouped into as few permutations as possible: ``permutes``); on one stage (ZBV's
+    turn) stored into the reader's slot by the producing action itself."""
+
+    def __init__(self, schedule: Schedule, when: dict[tuple[str, int, int], int],
+                 stage_of: dict[int, int], kind: str, step: int) -> None:  # fmt: skip
+        self.schedule, self.when, self.kind, self.step = schedule, when, kind, step
+        chunks = range(schedule.chunks)
+        # reader chunk c <- producer chunk c + step, as (producer stage, reader stage)
+        self.pair = {c: (stage_of[c + step], stage_of[c]) for c in chunks if c + step in chunks}
+        self.permutes = _permutations(sorted({p for p in self.pair.values() if p[0] != p[1]}))
+        self.sends = np.zeros(schedule.ticks, bool)
+        for c, (src, dst) in self.pair.items():
+            if src != dst:
+                for m in range(schedule.micro):
+                    self.sends[when[(kind, c + step, m)]] = True
+
+    def local(self, c: int) -> bool:
+        src, dst = self.pair[c]
+        return src == dst
+
+    def arrives(self, c: int, m: int) -> int:
+        """The first tick chunk c's value of microbatch m is in its reader's slot."""
+        made = self.when[(self.kind, c + self.step, m)]
+        return made if self.local(c) else self.schedule.arrival(made)
+
+    def place(self, slots: dict[tuple[int, int], int], local: np.ndarray, ticks: int) -> np.ndarray:
+        """arrive [ticks, S, permutes]: the slot a value received by each permute at a tick's
+        start goes to (−1: none); ``local`` [ticks, S] filled with the slot a producing action
+        stores its own output in."""
+        arrive = np.full((ticks, self.schedule.stages, len(self.permutes)), -1, np.int32)
+        for (c, m), slot in slots.items():
+            if c not in self.pair:
+                continue  # the last chunk's dy: stored by its own F
+            src, dst = self.pair[c]
+            if src == dst:
+                local[self.when[(self.kind, c + self.step, m)], src] = slot
+                continue
+            k = next(i for i, pairs in enumerate(self.permutes) if (src, dst) in pairs)
+            arrive[self.arrives(c, m), dst, k] = slot
+        return arrive
+
+
+def _permutations(pairs: list[tuple[int, int]]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """``pairs`` split greedily into permutations (each source and each target once): one
+    ``ppermute`` each. A chain s -> s+1 is one; ZBV's two directions are one at S = 2, two
+    above (a stage sends down the V and up it)."""
+    groups: list[list[tuple[int, int]]] = []
+    for src, dst in pairs:
+        group = next((g for g in groups if all(src != a and dst != b for a, b in g)), None)
+        if group is None:
+            groups.append(group := [])
+        group.append((src, dst))
+    return tuple(tuple(g) for g in groups)
 
 
 def _variants(schedule: Schedule, branch: np.ndarray) -> np.ndarray:
@@ -203,14 +271,15 @@ def chunk_runs(schedule: Schedule, stage: int) -> dict[str, int]:
     "F", "B", "W": a chunk's forward, backward (split: its input-gradient half) and weight-
     gradient half; "first": the embedding's forward, "first_grad": its backward (in B, or W
     if split); "last": the loss with its gradient. Branch form: the stage's own actions (M·V
-    of each kind; the ends M times, on the first / last stage only). Uniform form: every
+    of each kind; the ends M times, on the stages holding the first / last chunk: 0 and S − 1,
+    or 0 for both in ZBV). Uniform form: every
     phase some stage runs, since each runs on every device (the ends whenever some stage
     needs them). A cost model scales its per-chunk terms by these.
     """
     if schedule.period == 1:
         kinds = [a.kind for row in schedule.grid if (a := row[stage]) is not None]
-        first = schedule.micro if stage == 0 else 0  # chunk 0 lives on stage 0, C−1 on S−1
-        last = schedule.micro if stage == schedule.stages - 1 else 0
+        first = schedule.micro if schedule.place(0)[0] == stage else 0
+        last = schedule.micro if schedule.place(schedule.chunks - 1)[0] == stage else 0
         return {"F": kinds.count("F"), "B": kinds.count("B"), "W": kinds.count("W"),
                 "first": first, "first_grad": first, "last": last}  # fmt: skip
     variants = tables(schedule).variants
@@ -245,7 +314,8 @@ class ForwardTables:
 
     The schedule's F actions in their order, ticks without one dropped (the order, hence
     every dependency, is kept). branch: 0 idle, else 1 + 2·first chunk + last chunk; micro,
-    virtual, x_in, x_arrive as in :class:`Tables`; sends [ticks]: some stage sends.
+    virtual, x_in, x_arrive, x_local, x_pairs as in :class:`Tables`; sends [ticks]: some
+    stage sends.
     """
 
     branch: np.ndarray
@@ -255,9 +325,11 @@ class ForwardTables:
     x_arrive: np.ndarray
     sends: np.ndarray
     x_slots: int
+    x_local: np.ndarray
+    x_pairs: tuple[tuple[tuple[int, int], ...], ...]
 
     def rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
-        names = ("branch", "micro", "virtual", "x_in", "x_arrive")
+        names = ("branch", "micro", "virtual", "x_in", "x_arrive", "x_local")
         return {name: getattr(self, name)[start:stop] for name in names}
 
     def segments(self) -> list[tuple[int, int, bool]]:
@@ -271,44 +343,44 @@ def forward_tables(schedule: Schedule) -> ForwardTables:
     S, C = schedule.stages, schedule.chunks
     rows = [[a if a is not None and a.kind == "F" else None for a in row] for row in schedule.grid]
     rows = [row for row in rows if any(a is not None for a in row)]
+    forwards = dataclasses.replace(schedule, grid=tuple(map(tuple, rows)), period=1)
     when = {
-        (a.virtual * S + s, a.micro): t
+        ("F", schedule.chunk(s, a.virtual), a.micro): t
         for t, row in enumerate(rows)
         for s, a in enumerate(row)
         if a is not None
     }
-    x_box = {(c, m): (c % S, when[(c - 1, m)] + 1, t) for (c, m), t in when.items() if c > 0}
+    moves = _Moves(forwards, when, {c: schedule.place(c)[0] for c in range(C)}, "F", -1)
+    x_box = {
+        (c, m): (schedule.place(c)[0], moves.arrives(c, m), t)
+        for (_, c, m), t in when.items()
+        if c > 0
+    }
     slots = _colour(x_box)
     shape = (len(rows), S)
     branch, micro, virtual = (np.zeros(shape, np.int32) for _ in range(3))
-    x_in, x_arrive = np.full(shape, -1, np.int32), np.full(shape, -1, np.int32)
-    sends = np.zeros(len(rows), bool)
-    for (c, m), t in when.items():
-        s = c % S
+    x_in, x_local = np.full(shape, -1, np.int32), np.full(shape, -1, np.int32)
+    for (_, c, m), t in when.items():
+        s, v = schedule.place(c)
         branch[t, s] = 1 + 2 * (c == 0) + (c == C - 1)
-        micro[t, s], virtual[t, s] = m, c // S
-        sends[t] |= c < C - 1
+        micro[t, s], virtual[t, s] = m, v
         if c > 0:
             x_in[t, s] = slots[(c, m)]
-            x_arrive[x_box[(c, m)][1], s] = slots[(c, m)]
+    x_arrive = moves.place(slots, x_local, len(rows))
     size = 1 + max(slots.values(), default=0)
-    return ForwardTables(branch, micro, virtual, x_in, x_arrive, sends, size)
+    return ForwardTables(branch, micro, virtual, x_in, x_arrive, moves.sends, size, x_local,
+                         moves.permutes)  # fmt: skip
 
 
-def forward_pairs(schedule: Schedule) -> list[tuple[int, int]]:
-    """ppermute pairs stage s -> s+1 (wrapping round when chunks are interleaved, V > 1)."""
-    S = schedule.stages
-    return [(s, (s + 1) % S) for s in range(S if schedule.virtual > 1 else S - 1)]
-
-
-def layer_order(depth: int, stages: int, virtual: int) -> np.ndarray:
+def layer_order(depth: int, stages: int, virtual: int, v_shape: bool = False) -> np.ndarray:
     """order[p] = the model's layer stored at position p of a stacked layer dim split over
     ``stages`` devices with ``virtual`` chunks each.
 
-    Position p = (s, v, j) (row-major over [S, V, depth/(S·V)]) is layer j of chunk v·S + s:
-    each device's contiguous block holds its chunks s, s+S, ... in order. The identity unless
-    V > 1.
+    Position p = (s, v, j) (row-major over [S, V, depth/(S·V)]) is layer j of chunk v·S + s
+    (``v_shape``, ZBV: chunk s for v = 0, 2S − 1 − s for v = 1): each device's contiguous block
+    holds its chunks in order. The identity unless V > 1.
     """
     per_chunk = depth // (stages * virtual)
     s, v, j = np.meshgrid(range(stages), range(virtual), range(per_chunk), indexing="ij")
-    return ((v * stages + s) * per_chunk + j).reshape(-1)
+    chunk = np.where(v == 0, s, 2 * stages - 1 - s) if v_shape else v * stages + s
+    return (chunk * per_chunk + j).reshape(-1)
