@@ -391,7 +391,8 @@ def _forward(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, las
     state["stash"] = [
         _store(b, row["stash"], leaf) for b, leaf in zip(state["stash"], stashed, strict=True)
     ]
-    state["x_box"] = _store(state["x_box"], row["x_local"], y)  # ZBV's turn (−1: no-op)
+    if "x_local" in row:  # ZBV's turn: the next chunk is on this stage
+        state["x_box"] = _store(state["x_box"], row["x_local"], y)
     if not last:
         return state, _like(y, zeros), zeros
     loss_fn = ctx.ends.loss_fn
@@ -430,7 +431,8 @@ def _backward(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, la
             for buf, value in zip(state["w_stash"], [*cut, dx], strict=True)
         ]
     dx_out = _like(dx, zeros)
-    state["dy_box"] = _store(state["dy_box"], row["dy_local"], dx_out)  # ZBV's turn (−1: no-op)
+    if "dy_local" in row:  # ZBV's turn: the previous chunk is on this stage
+        state["dy_box"] = _store(state["dy_box"], row["dy_local"], dx_out)
     return state, zeros, _pick(row, "first", zeros, dx_out) if first else dx_out
 
 

@@ -118,7 +118,8 @@ def _forward_branches(
         if first:
             x = _pick(row, "first", _like(embed_fn(embed_params, _micro(inputs, row)), act), x)
         y = stage_fn(chunk, x)
-        state["x_box"] = _store(state["x_box"], row["x_local"], _like(y, act))  # ZBV's turn
+        if "x_local" in row:  # ZBV's turn: the next chunk is on this stage
+            state["x_box"] = _store(state["x_box"], row["x_local"], _like(y, act))
         if not last:
             return state, _like(y, act)
         out = _like(head_fn(head_params, y), state["out"])

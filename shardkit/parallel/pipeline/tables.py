@@ -66,13 +66,15 @@ class Tables:
     variants: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 1), np.int32))
     x_pairs: tuple[tuple[tuple[int, int], ...], ...] = ()
     dy_pairs: tuple[tuple[tuple[int, int], ...], ...] = ()
-    x_local: np.ndarray | None = None
-    dy_local: np.ndarray | None = None
+    x_local: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 1), np.int32))
+    dy_local: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 1), np.int32))
 
     def rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
-        """The tables of (super) ticks [start, stop): [ticks·period, S] each."""
-        names = ("branch", "micro", "virtual", "stash", "x_in", "dy_in", "w_stash", "x_arrive",
-                 "dy_arrive", "x_local", "dy_local")  # fmt: skip
+        """The tables of (super) ticks [start, stop): [ticks·period, S] each (x_local and
+        dy_local only where the schedule hands over on a stage: ZBV)."""
+        names: tuple[str, ...] = ("branch", "micro", "virtual", "stash", "x_in", "dy_in",
+                                  "w_stash", "x_arrive", "dy_arrive")  # fmt: skip
+        names += tuple(n for n in ("x_local", "dy_local") if (getattr(self, n) >= 0).any())
         p = self.period
         return {name: getattr(self, name)[start * p : stop * p] for name in names}
 
@@ -329,7 +331,8 @@ class ForwardTables:
     x_pairs: tuple[tuple[tuple[int, int], ...], ...]
 
     def rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
-        names = ("branch", "micro", "virtual", "x_in", "x_arrive", "x_local")
+        names: tuple[str, ...] = ("branch", "micro", "virtual", "x_in", "x_arrive")
+        names += ("x_local",) if (self.x_local >= 0).any() else ()
         return {name: getattr(self, name)[start:stop] for name in names}
 
     def segments(self) -> list[tuple[int, int, bool]]:
