@@ -194,14 +194,16 @@ def test_nan_poisoned_buffers_change_nothing(name):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def step_args(stages: int, micro: int) -> tuple:
-    chunks, embed, head = init(stages)
+def step_args(stages: int, micro: int, virtual: int = 1) -> tuple:
+    chunks, embed, head = init(stages * virtual)
     return chunks, embed, head, jnp.zeros((micro, B, T, D_IN)), jnp.zeros((micro, B, T, D_OUT))
 
 
 @functools.cache
 def compiled_step(name: str, stages: int, micro: int):
-    return compiled(name, 1, stages, 1, micro, 1).lower(*step_args(stages, micro)).compile()
+    virtual = sc.build(name, stages, micro).virtual  # ZBV: 2
+    args = step_args(stages, micro, virtual)
+    return compiled(name, 1, stages, 1, micro, virtual).lower(*args).compile()
 
 
 def temp_bytes(name: str, stages: int, micro: int) -> int:
