@@ -92,16 +92,8 @@ def pipeline_grads(
     chunk0 = jax.tree.map(lambda a: a[0], stage_params)
     y0, proto = jax.vjp(stage_fn, chunk0, x0)
     _check_stage_fn(x0, y0)
-    permutes = _permute_axes_of(
-        lambda p, x, ep, lp, i, t: (
-            jax.vjp(stage_fn, p, x)[1](y0),
-            jax.vjp(ends.embed_fn, ep, i),
-            jax.value_and_grad(ends.loss_fn, argnums=(0, 1))(lp, y0, t),
-        ),
-        chunk0, x0, ends.embed_params, ends.loss_params,
-        jax.tree.map(lambda a: a[0], inputs), jax.tree.map(lambda a: a[0], targets),
-    )  # fmt: skip
-    schedule = _form(schedule, permutes, uniform)
+    firsts = (jax.tree.map(lambda a: a[0], inputs), jax.tree.map(lambda a: a[0], targets))
+    schedule = _form(schedule, _model_permutes(stage_fn, ends, chunk0, x0, y0, firsts), uniform)
     leaves, vjp_def = jax.tree.flatten(proto)
     keep = _param_mask(leaves, chunk0)
     tab = tables(schedule)
@@ -131,6 +123,21 @@ def _split_backward(
     dx0, cut0 = split.input_grad(leaves, dy0)
     state["w_stash"] = [_buffer(tab.w_slots, vary(a, act_axes), fill) for a in [*cut0, dx0]]
     return split
+
+
+def _model_permutes(
+    stage_fn: StageFn, ends: Ends, chunk0: Any, x0: jax.Array, y0: jax.Array, firsts: Any
+) -> set[str]:
+    """The axes of every ``ppermute`` the chunk, the embedding or the loss (with their
+    backward) runs, traced on the first microbatch (``firsts``: its input and target)."""
+    return _permute_axes_of(
+        lambda p, x, ep, lp, i, t: (
+            jax.vjp(stage_fn, p, x)[1](y0),
+            jax.vjp(ends.embed_fn, ep, i),
+            jax.value_and_grad(ends.loss_fn, argnums=(0, 1))(lp, y0, t),
+        ),
+        chunk0, x0, ends.embed_params, ends.loss_params, *firsts,
+    )  # fmt: skip
 
 
 def _form(schedule: Schedule, permutes: set[str], uniform: bool | None) -> Schedule:

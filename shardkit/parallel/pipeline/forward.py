@@ -72,27 +72,36 @@ def pipeline_forward(
     ends = (embed_fn, embed_params, head_fn, head_params)
     branches = _forward_branches(stage_fn, stage_params, ends, inputs, act)
 
-    def tick(send: bool) -> Callable[..., Any]:
-        def body(state: dict[str, Any], xs: dict[str, Any]) -> tuple[Any, None]:
-            row = {k: v[stage] for k, v in xs["rows"].items()}
-            state = dict(state)
-            for k, value in enumerate(state["recv"]):
-                state["x_box"] = _store(state["x_box"], row["x_arrive"][k], value)
-            if uniform:  # every stage runs the tick's variant, masked by its own entry
-                row, index = _stage_masks(row), xs["variant"]
-            else:
-                index = row["branch"]
-            state, out = jax.lax.switch(index, branches, state, row)
-            state["recv"] = [jax.lax.ppermute(out, axis, p) if send else act for p in tab.x_pairs]
-            return state, None
-
-        return body
-
     for start, stop, send in tab.segments():
         rows = tab.rows(start, stop)
         xs = {"rows": rows, "variant": _forward_variants(rows["branch"])}
-        state, _ = jax.lax.scan(tick(send), state, jax.tree.map(jnp.asarray, xs))
+        body = _tick(send, stage, uniform, branches, (axis, tab.x_pairs, act))
+        state, _ = jax.lax.scan(body, state, jax.tree.map(jnp.asarray, xs))
     return jax.lax.psum(state["out"], axis)
+
+
+def _tick(
+    send: bool, stage: jax.Array, uniform: bool, branches: list[Callable[..., Any]],
+    sending: tuple[str, Any, jax.Array],
+) -> Callable[..., Any]:  # fmt: skip
+    """One tick of the forwards: store what arrived, run the branch (uniform form: the tick's
+    variant on every stage, masked by its own entry), send over each permute."""
+    axis, pairs, act = sending
+
+    def body(state: dict[str, Any], xs: dict[str, Any]) -> tuple[Any, None]:
+        row = {k: v[stage] for k, v in xs["rows"].items()}
+        state = dict(state)
+        for k, value in enumerate(state["recv"]):
+            state["x_box"] = _store(state["x_box"], row["x_arrive"][k], value)
+        if uniform:
+            row, index = _stage_masks(row), xs["variant"]
+        else:
+            index = row["branch"]
+        state, out = jax.lax.switch(index, branches, state, row)
+        state["recv"] = [jax.lax.ppermute(out, axis, p) if send else act for p in pairs]
+        return state, None
+
+    return body
 
 
 def _forward_variants(branch: np.ndarray) -> np.ndarray:
