@@ -315,6 +315,7 @@ def test_shapes_that_do_not_fit_the_schedule_are_one_sentence(change, match):
 @example(("interleaved", 1, 2, 2, 4, 2))
 @example(("zb", 2, 2, 2, 3, 1))
 @example(("zbv", 1, 2, 2, 2, 1))
+@example(("gpipe", 1, 1, 1, 1, 1))  # one stage: no stage permute at all
 def test_a_ppermute_inside_a_chunk_runs_in_the_uniform_form(case):
     """A chunk that ppermutes over model (tokens split there) under every schedule: the engine
     picks the uniform form (each phase on every stage, masked), and the loss and every

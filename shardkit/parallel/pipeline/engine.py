@@ -312,7 +312,8 @@ def _uniform_segment(
     tables [ticks, P, S] and per phase the variant every stage runs (its switch position)."""
     start, stop = span
     period = tab.period
-    rows = {k: v.reshape(-1, period, *v.shape[1:]) for k, v in tab.rows(start, stop).items()}
+    ticks = stop - start  # not −1: a table may have no permute column (one stage)
+    rows = {k: v.reshape(ticks, period, *v.shape[1:]) for k, v in tab.rows(start, stop).items()}
     variants = tab.variants[start:stop]
     used = [sorted({IDLE, *np.unique(variants[:, p]).tolist()}) for p in range(period)]
     position = np.stack([np.searchsorted(u, variants[:, p]) for p, u in enumerate(used)], 1)
