@@ -27,7 +27,7 @@ from shardkit.parallel import pipeline as pl  # noqa: E402
 from shardkit.parallel.pipeline import schedules as sc  # noqa: E402
 
 DOCS = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(DOCS.parent / "tests"))
+sys.path.insert(0, str(DOCS.parent / "tests" / "parallel"))
 import test_pipeline as model  # noqa: E402
 
 COLOURS = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452"}
