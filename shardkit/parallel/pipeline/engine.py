@@ -26,6 +26,7 @@ from shardkit.parallel.pipeline.tables import (
     IDLE,
     SEGMENT_SCOPE,
     Tables,
+    branch_parts,
     tables,
 )
 from shardkit.parallel.vma import tree_varying_axes, vary, vary_tree, varying_axes
@@ -258,8 +259,8 @@ class _Context:
     vjp_def: Any
     keep: tuple[int, ...]  # per vjp leaf: chunk param index, or −1 (stashed)
     split: SplitBackward | None  # split schedules: the backward cut into B and W
-    x_pairs: tuple[tuple[tuple[int, int], ...], ...] = ()  # per activation permute, its pairs
-    dy_pairs: tuple[tuple[tuple[int, int], ...], ...] = ()
+    x_pairs: tuple[tuple[tuple[int, int], ...], ...]  # per activation permute, its pairs
+    dy_pairs: tuple[tuple[tuple[int, int], ...], ...]
 
 
 def _tick_body(ctx: _Context, send_x: bool, send_dy: bool, used: list[int]) -> Callable[..., Any]:
@@ -318,14 +319,12 @@ def _uniform_segment(
     used = [sorted({IDLE, *np.unique(variants[:, p]).tolist()}) for p in range(period)]
     position = np.stack([np.searchsorted(u, variants[:, p]) for p, u in enumerate(used)], 1)
     fns = (_forward, _backward, _weights)
-    phases = [
-        [_idle] + [
-            _scoped(functools.partial(fns[(b - 1) // 4], first=(b - 1) // 2 % 2 == 1,
-                                      last=(b - 1) % 2 == 1), b)
-            for b in u[1:]
-        ]
-        for u in used
-    ]  # fmt: skip
+
+    def branch(b: int) -> Callable[..., Branch]:
+        kind, first, last = branch_parts(b)
+        return _scoped(functools.partial(fns[kind], first=first, last=last), b)
+
+    phases = [[_idle] + [branch(b) for b in u[1:]] for u in used]
 
     def body(state: dict[str, Any], xs: dict[str, Any]) -> tuple[dict[str, Any], None]:
         state = _arrivals(state, {k: v[0, ctx.stage] for k, v in xs["rows"].items()})
@@ -344,10 +343,9 @@ def _stage_masks(row: Row) -> Row:
     """A uniform phase's row with this stage's own flags: whether it acts, and whether on the
     first or the last chunk (``branch_index``'s encoding); the phase's variant runs on every
     stage, and these say which of its results are this stage's."""
-    code = row["branch"] - 1
     active = row["branch"] != IDLE
-    return dict(row, active=active, first=active & (code // 2 % 2 == 1),
-                last=active & (code % 2 == 1))  # fmt: skip
+    _, first, last = branch_parts(row["branch"])
+    return dict(row, active=active, first=active & first, last=active & last)
 
 
 def _masked(row: Row, flag: str, tree: Any) -> Any:

@@ -27,7 +27,7 @@ from shardkit.parallel.pipeline.engine import (
     _store,
 )
 from shardkit.parallel.pipeline.schedules import Schedule
-from shardkit.parallel.pipeline.tables import forward_tables
+from shardkit.parallel.pipeline.tables import forward_tables, merged_branch
 from shardkit.parallel.vma import tree_varying_axes, vary, vary_tree
 
 
@@ -105,13 +105,9 @@ def _tick(
 
 
 def _forward_variants(branch: np.ndarray) -> np.ndarray:
-    """Per tick of the forward tables, the branch every stage runs in the uniform form: F
-    with the first / last chunk parts if some stage needs them, 0 if no stage acts."""
-    code = np.where(branch > 0, branch - 1, 0)
-    acting = (branch > 0).any(axis=1)
-    first = ((code // 2 % 2 == 1) & (branch > 0)).any(axis=1)
-    last = ((code % 2 == 1) & (branch > 0)).any(axis=1)
-    return np.where(acting, 1 + 2 * first + last, 0).astype(np.int32)
+    """Per tick of the forward tables, the branch every stage runs in the uniform form
+    (``tables.merged_branch``: the forward tables' branches are ``branch_index``'s F ones)."""
+    return np.array([merged_branch("F", row) for row in branch], np.int32).reshape(-1)
 
 
 def _forward_branches(

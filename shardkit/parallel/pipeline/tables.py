@@ -29,6 +29,23 @@ def branch_index(kind: str, first: bool, last: bool) -> int:
     return 1 + 4 * KIND_INDEX[kind] + 2 * first + last
 
 
+def branch_parts(branch: Any) -> tuple[Any, Any, Any]:
+    """``branch_index`` undone, on an int or an array of them (0, idle, reads as F, False,
+    False: mask it yourself): (kind index into ``KIND_INDEX``, first chunk, last chunk)."""
+    code = branch - 1
+    return code // 4, code // 2 % 2 == 1, code % 2 == 1
+
+
+def merged_branch(kind: str, row: np.ndarray) -> int:
+    """The uniform form's branch for a phase of ``kind`` whose stages hold ``row``: the kind
+    with the first / last chunk parts if some stage needs them; 0 if no stage acts."""
+    acting = row[row != IDLE]
+    if not len(acting):
+        return IDLE
+    _, first, last = branch_parts(acting)
+    return branch_index(kind, bool(first.any()), bool(last.any()))
+
+
 @dataclasses.dataclass(frozen=True)
 class Tables:
     """The schedule as int32 arrays [ticks, S] the engine scans, and its buffer sizes.
@@ -241,10 +258,7 @@ def _variants(schedule: Schedule, branch: np.ndarray) -> np.ndarray:
         return out
     for tick, rows in enumerate(branch.reshape(-1, p, branch.shape[1])):
         for phase, (kind, row) in enumerate(zip(schedule.phases, rows, strict=True)):
-            acting = row[row != IDLE] - 1
-            if len(acting):
-                first, last = bool((acting // 2 % 2).any()), bool((acting % 2).any())
-                out[tick, phase] = branch_index(kind, first, last)
+            out[tick, phase] = merged_branch(kind, row)
     return out
 
 
@@ -285,15 +299,14 @@ def chunk_runs(schedule: Schedule, stage: int) -> dict[str, int]:
         return {"F": kinds.count("F"), "B": kinds.count("B"), "W": kinds.count("W"),
                 "first": first, "first_grad": first, "last": last}  # fmt: skip
     variants = tables(schedule).variants
-    codes = variants - 1
     runs = {kind: int((variants[:, p] != IDLE).sum()) for p, kind in enumerate(schedule.phases)}
-
-    def flags(phase: int, bit: int) -> int:
-        return int(((variants[:, phase] != IDLE) & (codes[:, phase] // bit % 2 == 1)).sum())
-
+    _, first, last = branch_parts(variants)
+    acting = variants != IDLE
     grad_phase = len(schedule.phases) - 1  # the embedding's backward: in B, or W if split
-    return {"F": runs["F"], "B": runs["B"], "W": runs.get("W", 0), "first": flags(0, 2),
-            "first_grad": flags(grad_phase, 2), "last": flags(0, 1)}  # fmt: skip
+    return {"F": runs["F"], "B": runs["B"], "W": runs.get("W", 0),
+            "first": int((acting & first)[:, 0].sum()),
+            "first_grad": int((acting & first)[:, grad_phase].sum()),
+            "last": int((acting & last)[:, 0].sum())}  # fmt: skip
 
 
 def _colour(intervals: dict[Any, tuple[int, int, int]]) -> dict[Any, int]:
