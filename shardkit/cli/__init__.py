@@ -57,6 +57,8 @@ def add_model_opts(p: argparse.ArgumentParser, batch: int, about: str) -> None:
                    "multiple of the even share, or none (dropless)")  # fmt: skip
     g.add_argument("--documents", action="store_true", help="gpt, moe-gpt: each line a packed "
                    "document (attention within it, positions from its start)")  # fmt: skip
+    g.add_argument("--tied", action="store_true", help="gpt, moe-gpt: the head is the "
+                   "embedding's transpose")  # fmt: skip
 
 
 def add_plan_opts(p: argparse.ArgumentParser) -> None:
@@ -412,7 +414,7 @@ VIT_ONLY = (*MODEL_FLAGS, "variant", "pool", "posemb", "dtype", "precision", "ul
             "layers", "overlap", "hlo", "plot", "target",
             "resume", "checkpoint_every", "keep", "eval_every", "cache", "data", "chip",
             "batches", "remats", "attention", "tokens", "ring")  # fmt: skip
-LM_ONLY = ("--experts", "--top-k", "--capacity-factor", "--documents")
+LM_ONLY = ("--experts", "--top-k", "--capacity-factor", "--documents", "--tied")
 
 
 def run_lm(args: argparse.Namespace) -> int:
@@ -431,7 +433,8 @@ def run_lm(args: argparse.Namespace) -> int:
     from shardkit.run import lm
 
     setup_devices(args.devices)
-    cfg = lm.config(args.model, args.experts, args.top_k, args.capacity_factor, args.documents)
+    cfg = lm.config(args.model, args.experts, args.top_k, args.capacity_factor, args.documents,
+                    args.tied)  # fmt: skip
     batch = args.batch or LM_BATCH * (2 if args.command != "train" else 1)
     given_plan = args.mesh or args.sp or args.fsdp or args.remat or args.pp
     given_plan = given_plan or args.microbatches is not None or args.virtual is not None

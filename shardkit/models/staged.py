@@ -11,7 +11,8 @@ You give the schedule (``parallel.pipeline.schedules.build``) and three function
 and which params each reads: ``layers`` names the top-level subtree of stacked layers
 ``[L, ...]`` (its logical axis, e.g. ``"layers"``, mapped to ``stage`` by your rules);
 ``embed`` and ``head`` the top-level keys the ends read (a key in both is tied: its two
-gradients are summed, and that sum is the stage all-reduce the engine already makes).
+gradients are added before the all-reduce over stage the engine already makes, which sends it
+once).
 
 Placement: device s of the stage axis holds chunks s, s+S, ... (``pipeline.layer_order``):
 ``ShardedModel.shard`` stores the layers so and ``to_reference`` maps any params-shaped tree
@@ -132,6 +133,7 @@ def grads_local(
     ends = pipeline.Ends(
         stages.embed_fn, {k: whole[k] for k in stages.embed},
         stages.loss_fn, {k: whole[k] for k in stages.head},
+        tied=tuple(k for k in stages.embed if k in stages.head),
     )  # fmt: skip
     loss, d_chunks, d_embed, d_head = pipeline.pipeline_grads(
         sched, stages.stage_fn, chunks(whole[stages.layers], sched.virtual), ends,

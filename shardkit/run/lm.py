@@ -59,12 +59,18 @@ TOLERANCE = 1e-5
 
 
 def config(
-    model: str, experts: int | None, top_k: int, capacity_factor: str, documents: bool = False
+    model: str,
+    experts: int | None,
+    top_k: int,
+    capacity_factor: str,
+    documents: bool = False,
+    tied: bool = False,
 ) -> gpt.GPTConfig:
     """The decoder of ``--model``; ``moe-gpt``: ``experts`` (default 8) top-``top_k`` experts,
-    ``capacity_factor`` a number or "none" (dropless); ``documents``: packed documents."""
+    ``capacity_factor`` a number or "none" (dropless); ``documents``: packed documents;
+    ``tied``: the head is the embedding's transpose."""
     if model == "gpt":  # (the CLI refuses the MoE flags for it)
-        return gpt.GPTConfig(documents=documents)
+        return gpt.GPTConfig(documents=documents, tied=tied)
     try:
         factor = None if capacity_factor == "none" else float(capacity_factor)
     except ValueError:
@@ -72,7 +78,8 @@ def config(
             f"--capacity-factor must be a number or none, got {capacity_factor!r}."
         ) from None
     try:
-        return gpt.moe_config(moe.MoE(experts or 8, top_k, factor), documents=documents)
+        return gpt.moe_config(moe.MoE(experts or 8, top_k, factor), documents=documents,
+                              tied=tied)  # fmt: skip
     except ValueError as err:
         raise PlanError(str(err)) from None
 

@@ -187,6 +187,34 @@ def test_a_pipelined_gpt_meets_its_contract_stage_by_stage():
     assert len(report["stage_flops"]) == 2
 
 
+def test_the_tied_twin_is_the_untied_one_with_the_embeddings_transpose():
+    tied = gpt.GPTConfig(tied=True)
+    p = gpt.init(0, tied)
+    assert "head" not in p and set(p) == set(gpt.param_axes(tied=True))
+    x, y = gpt.windows(np.random.default_rng(0), 2, tied.tokens)
+    untied = gpt.twin_loss({**p, "head": p["embed"].T}, x, y, gpt.GPTConfig())
+    np.testing.assert_allclose(gpt.twin_loss(p, x, y, tied), untied, rtol=1e-6)
+
+
+TIED = [  # tied embeddings: TP × ring; pipelined, the head's gradient meets the lookup's
+    gpt.GPTPlan({"data": 2, "seq": 2, "model": 2}, "zigzag"),
+    gpt.GPTPlan({"data": 2, "stage": 2, "model": 2}, pp="1f1b", microbatches=2),
+]
+
+
+@pytest.mark.parametrize("plan", TIED, ids=["TP × ring", "1F1B × DP × TP"])
+def test_a_tied_gpt_equals_its_twin_and_meets_its_contract(plan):
+    """The head is the embedding's transpose: loss, gradients and one AdamW step equal the
+    twin's, and the contract is exact: under a pipeline the embedding's gradient (its lookup's
+    on stage 0 plus the head's on the last) rides the ends' one all-reduce over stage, once."""
+    cfg = gpt.GPTConfig(tied=True)
+    case = run_lm.verify_case(cfg, "tied", plan, BATCH)
+    assert case["ok"], case
+    report = json.loads(run_lm.inspect(cfg, plan, BATCH, as_json=True))
+    assert report["contract_ok"] and report["ratio"] == pytest.approx(1.0), report["mismatches"]
+    assert report["tied"]
+
+
 @pytest.mark.parametrize(
     "plan",
     [

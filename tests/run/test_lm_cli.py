@@ -78,6 +78,7 @@ def test_train_moe_gpt_writes_its_run(tmp_path, capsys):
          "give either --strategies or plan options"),
         (["bench", "--model", "gpt", "--steps", "0"], "--steps must be >= 1"),
         (["verify", "--documents"], "--documents applies to --model gpt or moe-gpt"),
+        (["verify", "--tied"], "--tied applies to --model gpt or moe-gpt"),
         (["verify", "--model", "gpt", "--experts", "4"], "--experts needs --model moe-gpt"),
         (["train", "--model", "gpt", "--capacity-factor", "2"],
          "--capacity-factor needs --model moe-gpt"),

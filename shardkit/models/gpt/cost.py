@@ -27,7 +27,9 @@ Per step, with b·t local tokens of width D (w = 4 bytes, float32), L layers:
               (the bytes of L/S layers at b); the embedding's g on stage 0 only and the head's
               f with the cross-entropy's reductions on the last stage only, once per
               microbatch; ONE all-reduce over stage of the embedding's, the norm's and the
-              head's gradients and the loss; the gradient norm over every axis, stage too.
+              head's gradients and the loss (tied: the embedding's gradient, its lookup's
+              on stage 0 plus the head's on the last, is that op's sum, no op of its own);
+              the gradient norm over every axis, stage too.
               A ring over seq runs the uniform form (``schedules.uniform``): every device
               runs each phase some stage runs, so the layer and ring terms count the F and B
               phases run (``pipeline.chunk_runs``) and the ends' terms every phase that
@@ -63,6 +65,7 @@ class GPTExpectation(Expectation):
     @property
     def title(self) -> str:
         kind = "dense" if self.cfg.experts is None else f"{self.cfg.experts.experts} experts"
+        kind += ", tied" if self.cfg.tied else ""
         return (f"GPT ({kind}, dim {self.cfg.dim}, {self.cfg.layers} layers), batch "
                 f"{self.batch} × {self.cfg.tokens} tokens on {self.plan.name}")  # fmt: skip
 
@@ -73,7 +76,7 @@ class GPTExpectation(Expectation):
     def describe(self) -> dict[str, Any]:
         return {"model": "gpt" if self.cfg.experts is None else "moe-gpt",
                 "mesh": self.plan.mesh, "layout": self.plan.layout, "core": self.plan.core,
-                "fsdp": self.plan.fsdp, "batch": self.batch}  # fmt: skip
+                "fsdp": self.plan.fsdp, "tied": self.cfg.tied, "batch": self.batch}  # fmt: skip
 
 
 def expectation(
@@ -133,7 +136,8 @@ def _pipeline_terms(cfg: GPTConfig, plan: GPTPlan, tokens: int, stage: int) -> l
     stages, n_model, vocab = mesh["stage"], mesh["model"], cfg.vocab // mesh["model"]
     act = tokens // micro * cfg.dim * W
     sent_x, sent_dy = pipeline.tables(plan.schedule()).sent()
-    ends = 2 * vocab * cfg.dim + cfg.dim + 1  # embed, head, norm (gathered if FSDP), the loss
+    # embed, head (none when tied), norm (gathered if FSDP), the loss
+    ends = (1 if cfg.tied else 2) * vocab * cfg.dim + cfg.dim + 1
     out = [
         contract.permute("stage", act, sent_x + sent_dy, "activations on, cotangents back",
                          n=stages),

@@ -6,12 +6,13 @@ RMSNorm, rotary embeddings at each token's global position, grouped-query attent
 and ``kv_repeat`` when ``model`` outnumbers the KV heads), a SwiGLU MLP over ``model`` — or,
 with ``GPTConfig.experts``, E SwiGLU experts behind a top-k router (``moe.moe_layer``, experts
 over ``expert``, which splits the batch too), the load-balance and z-losses added to the loss
-— no biases, and the vocabulary split over ``model`` in the embedding and the untied head (the
-logits are never gathered). The data: windows of the Zen of Python (``this.s``).
+— no biases, and the vocabulary split over ``model`` in the embedding and the head (the
+logits are never gathered); the head is its own matrix, or with ``GPTConfig.tied`` the
+embedding's transpose. The data: windows of the Zen of Python (``this.s``).
 
   batch    x, y[B_data×expert, T_seq] token ids, in ``plan.layout`` order over seq
-  params   embed[V_model, D], blocks (stacked over layers), norm[D], head[D, V_model];
-           FSDP (``plan.fsdp``): every embed dim over data too
+  params   embed[V_model, D], blocks (stacked over layers), norm[D], head[D, V_model] (none
+           when tied); FSDP (``plan.fsdp``): every embed dim over data too
 
 The twin (``twin_loss``) is the same decoder in plain jnp, its MoE blocks ``moe_ref``'s,
 routing the sharded run's groups in their layout order so that drops agree.
@@ -56,7 +57,8 @@ class GPTConfig:
     """The decoder's dims; ``experts`` (a ``moe.MoE``) makes every block's MLP a MoE whose
     experts each have ``mlp`` hidden units; ``documents``: packed documents (each line of the
     text one; a token attends only to its own line, positions restart at every line, a line's
-    last token predicts nothing), the batch (x, y, segment ids, positions)."""
+    last token predicts nothing), the batch (x, y, segment ids, positions); ``tied``: the head
+    is the embedding's transpose (no ``head`` leaf; the embedding's gradient sums both uses)."""
 
     dim: int = 64
     heads: int = 8
@@ -67,6 +69,7 @@ class GPTConfig:
     vocab: int = VOCAB
     experts: moe.MoE | None = None
     documents: bool = False
+    tied: bool = False
 
 
 def moe_config(experts: moe.MoE, **dims: Any) -> GPTConfig:
@@ -178,8 +181,9 @@ def _pipeline_checks(cfg: GPTConfig, plan: GPTPlan, batch: int) -> list[tuple[An
 
 
 # --8<-- [start:axes]
-def param_axes(experts: bool = False) -> dict[str, Any]:
-    """Logical names per dim of every leaf (no biases); ``experts``: MoE blocks."""
+def param_axes(experts: bool = False, tied: bool = False) -> dict[str, Any]:
+    """Logical names per dim of every leaf (no biases); ``experts``: MoE blocks; ``tied``: no
+    head (the embedding serves)."""
     w = lambda *names: {"kernel": names}  # noqa: E731
     mlp: dict[str, Any] = {"gate": w("embed", "mlp"), "up": w("embed", "mlp"),
                            "down": w("mlp", "embed")}  # fmt: skip
@@ -192,8 +196,9 @@ def param_axes(experts: bool = False) -> dict[str, Any]:
                       "value": w("embed", "kv_heads", "head_dim"),
                       "out": w("heads", "head_dim", "embed")}}  # fmt: skip
     stacked = jax.tree.map(lambda n: ("layers", *n), block, is_leaf=lambda x: isinstance(x, tuple))
-    return {"embed": ("vocab", "embed"), "head": ("embed", "vocab"), "blocks": stacked,
+    axes = {"embed": ("vocab", "embed"), "head": ("embed", "vocab"), "blocks": stacked,
             "norm": ("embed",)}  # fmt: skip
+    return {k: v for k, v in axes.items() if not (tied and k == "head")}
 
 
 def rules(n_model: int, kv_heads: int, fsdp: bool, pipelined: bool = False) -> dict[str, str]:
@@ -217,7 +222,8 @@ def init(seed: int, cfg: GPTConfig) -> Params:
     sizes = {"vocab": cfg.vocab, "embed": cfg.dim, "heads": cfg.heads, "mlp": cfg.mlp,
              "kv_heads": cfg.kv_heads, "head_dim": cfg.dim // cfg.heads, "layers": cfg.layers,
              "expert": experts, "router": experts}  # fmt: skip
-    names, tree = jax.tree.flatten(param_axes(experts > 0), is_leaf=lambda x: isinstance(x, tuple))
+    axes = param_axes(experts > 0, cfg.tied)
+    names, tree = jax.tree.flatten(axes, is_leaf=lambda x: isinstance(x, tuple))
     keys = jax.random.split(jax.random.key(seed), len(names))
 
     def leaf(key: jax.Array, ns: tuple[str, ...]) -> jax.Array:
@@ -305,7 +311,7 @@ def twin_logits(
         return h + z @ m["down"]["kernel"], jnp.zeros(())
 
     h, aux = jax.lax.scan(block, constrain(p["embed"][x]), p["blocks"], unroll=unroll)
-    return lm.rms_norm(h, p["norm"]) @ p["head"], aux.sum()
+    return lm.rms_norm(h, p["norm"]) @ head_of(p, cfg), aux.sum()
 
 
 def twin_loss(
@@ -359,7 +365,7 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
         return jax.lax.scan(block, h, stacked)
 
     def ce_share(p, h, y, micro=1):  # this device's share of the mean cross-entropy
-        logits = lm.vocab_logits(lm.rms_norm(h, p["norm"]), p["head"], tp)  # [b, t, V/n]
+        logits = lm.vocab_logits(lm.rms_norm(h, p["norm"]), head_of(p, cfg), tp)  # [b, t, V/n]
         return lm.vocab_cross_entropy(logits, y, tp).sum() / (targets(y) * micro)
 
     def loss_local(p, x, y, seg=None, pos=None):  # this device's share (and the MoE metrics)
@@ -374,9 +380,9 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
             return y.size * mesh.shape["data"] * mesh.shape["expert"] * n_seq
         return jax.lax.psum(lm.valid_count(y), tuple(a for a in token_split if mesh.shape[a] > 1))
 
-    pipeline = _stages(plan, lambda p, x: lm.vocab_embed(x, p["embed"], tp), blocks, ce_share)
+    pipeline = _stages(cfg, plan, lambda p, x: lm.vocab_embed(x, p["embed"], tp), blocks, ce_share)
     token_split, tokens = ("data", "expert", "seq"), P(("data", "expert"), "seq")
-    return ShardedModel(mesh, param_axes(cfg.experts is not None),
+    return ShardedModel(mesh, param_axes(cfg.experts is not None, cfg.tied),
                         rules(n_model, cfg.kv_heads, plan.fsdp, pipeline is not None),
                         None if pipeline else loss_local,
                         batch_specs=(tokens,) * (4 if cfg.documents else 2),
@@ -387,20 +393,28 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
 # --8<-- [end:sharded]
 
 
+def head_of(p: Params, cfg: GPTConfig) -> jax.Array:
+    """The head [D, V] (per device: [D, V/model]): its own leaf, or the embedding's transpose."""
+    return p["embed"].T if cfg.tied else p["head"]
+
+
 def _stages(
+    cfg: GPTConfig,
     plan: GPTPlan,
     embed: Callable[..., Any],
     blocks: Callable[..., Any],
     ce_share: Callable[..., Any],
 ) -> staged.Stages | None:
     """The decoder cut for ``plan.pp``: the embedding on the first stage, the blocks as the
-    chunks, the final norm, head and cross-entropy (over the global token count) on the last."""
+    chunks, the final norm, head and cross-entropy (over the global token count) on the last.
+    Tied, the embedding is an end of both: its two gradients meet in the engine's all-reduce
+    over stage (``staged.Stages``)."""
     if plan.pp == "none":
         return None
     return staged.Stages(
         plan.schedule(), embed, lambda chunk, h: blocks(h, chunk)[0],
         functools.partial(ce_share, micro=plan.microbatches),
-        "blocks", embed=("embed",), head=("norm", "head"),
+        "blocks", embed=("embed",), head=("norm", "embed" if cfg.tied else "head"),
     )  # fmt: skip
 
 

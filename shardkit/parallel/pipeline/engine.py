@@ -43,12 +43,16 @@ class Ends:
     embed_fn: ``(embed_params, input_m) -> x`` (identity-like for a bare pipeline);
     loss_fn: ``(loss_params, y, target_m) -> scalar``. Both params replicated over the stage
     axis; their gradients come back summed over it (only the first / last stage adds to them).
+    ``tied``: keys of both params dicts that are one array (tied embeddings): its two
+    gradients are added before the sum over stage, which then sends it once, and come back
+    in the embedding's gradients only.
     """
 
     embed_fn: EmbedFn
     embed_params: Any
     loss_fn: LossFn
     loss_params: Any
+    tied: tuple[str, ...] = ()
 
 
 def pipeline_grads(
@@ -84,8 +88,9 @@ def pipeline_grads(
     Returns:
       (loss, d_stage_params, d_embed_params, d_loss_params): Σ_m loss and the gradients of
       that sum: for this device's chunks [V, ...] (varying over ``axis``), for the embedding and
-      the loss params (invariant over ``axis``). Every gradient is still a partial sum over the
-      inputs' other axes (``data``): sync them as for any data-parallel gradient.
+      the loss params (invariant over ``axis``; a tied key's in the embedding's only). Every
+      gradient is still a partial sum over the inputs' other axes (``data``): sync them as for
+      any data-parallel gradient.
     """
     _check_shapes(schedule, stage_params, inputs, targets, axis)
     act_axes = tree_varying_axes(inputs) | {axis}
@@ -105,9 +110,17 @@ def pipeline_grads(
     ctx = _Context(schedule, stage_fn, stage_params, ends, inputs, targets, axis, stage,
                    vjp_def, keep, split, tab.x_pairs, tab.dy_pairs)  # fmt: skip
     state = _run_segments(ctx, tab, state)
-    ends_sums = (state["loss"], state["embed_grads"], state["loss_grads"])
-    loss, embed_grads, loss_grads = jax.lax.psum(ends_sums, axis)
+    ends_grads = _merge_tied(ends.tied, state["embed_grads"], state["loss_grads"])
+    loss, embed_grads, loss_grads = jax.lax.psum((state["loss"], *ends_grads), axis)
     return loss, state["grads"], embed_grads, loss_grads
+
+
+def _merge_tied(tied: tuple[str, ...], embed_grads: Any, loss_grads: Any) -> tuple[Any, Any]:
+    """Each tied key's two gradients as one, in the embedding's (``Ends.tied``)."""
+    if not tied:
+        return embed_grads, loss_grads
+    summed = {k: jax.tree.map(jnp.add, embed_grads[k], loss_grads[k]) for k in tied}
+    return {**embed_grads, **summed}, {k: g for k, g in loss_grads.items() if k not in tied}
 
 
 def _split_backward(
