@@ -9,6 +9,7 @@ run exits 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import sys
 from collections.abc import Sequence
@@ -39,7 +40,8 @@ def add_model_opts(p: argparse.ArgumentParser, batch: int, about: str) -> None:
     g = p.add_argument_group(f"model (default: the ViT, {about})")
     g.add_argument("--model", choices=("vit", "gpt", "moe-gpt"), default="vit",
                    help="the ViT (default), or the Llama-style decoder on the Zen of Python, "
-                   "dense or mixture-of-experts (the flags below --batch apply to it)")  # fmt: skip
+                   "dense or mixture-of-experts (the flags below --batch, and --dim, --depth "
+                   "(its layers), --heads, --mlp-dim, apply to it)")  # fmt: skip
     g.add_argument("--variant", help="mu, Ti/16, S/16, B/16 or L/16 (other flags override it)")
     for name in MODEL_FLAGS:
         g.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
@@ -415,6 +417,7 @@ VIT_ONLY = (*MODEL_FLAGS, "variant", "pool", "posemb", "dtype", "precision", "ul
             "resume", "checkpoint_every", "keep", "eval_every", "cache", "data", "chip",
             "batches", "remats", "attention", "tokens", "ring")  # fmt: skip
 LM_ONLY = ("--experts", "--top-k", "--capacity-factor", "--documents", "--tied")
+LM_DIMS = {"dim": "dim", "depth": "layers", "heads": "heads", "mlp_dim": "mlp"}  # flag: field
 
 
 def run_lm(args: argparse.Namespace) -> int:
@@ -422,7 +425,7 @@ def run_lm(args: argparse.Namespace) -> int:
     (``run.lm``, ``run.lm_bench``)."""
     if getattr(args, "attention", False):
         raise UsageError("--attention times attention alone, with no model: give no --model.")
-    kept = ("plot",) if args.command == "bench" else ()
+    kept = (*LM_DIMS, "plot") if args.command == "bench" else tuple(LM_DIMS)
     flags = ["--" + n.replace("_", "-") for n in VIT_ONLY if n not in kept]
     given = [f for f in flags if any(a == f or a.startswith(f + "=") for a in args.argv)]
     if given:
@@ -435,6 +438,9 @@ def run_lm(args: argparse.Namespace) -> int:
     setup_devices(args.devices)
     cfg = lm.config(args.model, args.experts, args.top_k, args.capacity_factor, args.documents,
                     args.tied)  # fmt: skip
+    args.lm_dims = {field: getattr(args, flag) for flag, field in LM_DIMS.items()
+                    if getattr(args, flag) is not None}  # fmt: skip
+    cfg = dataclasses.replace(cfg, **args.lm_dims)
     batch = args.batch or LM_BATCH * (2 if args.command != "train" else 1)
     given_plan = args.mesh or args.sp or args.fsdp or args.remat or args.pp
     given_plan = given_plan or args.microbatches is not None or args.virtual is not None

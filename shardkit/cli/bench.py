@@ -197,11 +197,12 @@ def run_lm_bench(args: argparse.Namespace, cfg: Any, batch: int, plan: Any) -> i
     _check_bench_flags(args)
     if plan is not None and args.strategies:
         raise UsageError("give either --strategies or plan options (--mesh ...), not both.")
-    cfg = lm_bench.bench_config(cfg)
+    cfg = dataclasses.replace(lm_bench.bench_config(cfg), **args.lm_dims)  # given dims win
     if args.schedules:
         if plan is None:
             raise UsageError("--schedules needs a plan with a stage axis (--mesh ...,stage=S).")
-        return _run_schedules_bench(args, dataclasses.replace(cfg, layers=4), plan, batch)
+        layers = args.lm_dims.get("layers", 4)
+        return _run_schedules_bench(args, dataclasses.replace(cfg, layers=layers), plan, batch)
     plans = _chosen(args.strategies, lm.default_plans(cfg)) if plan is None else {"custom": plan}
     result = lm_bench.run(cfg, plans, batch, args.steps, args.warmup, _progress)
     if args.plot:

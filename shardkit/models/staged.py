@@ -5,8 +5,12 @@ You give the schedule (``parallel.pipeline.schedules.build``) and three function
 
   embed_fn  ``(embed_params, input_m) -> x``             before chunk 0 (stage 0)
   stage_fn  ``(chunk_params, x) -> y``                   one chunk: its layers, y typed like x
+            ``(chunk_params, x, side_m) -> y``          with side inputs (below)
   loss_fn   ``(head_params, y, target_m) -> share``      after the last chunk: this
-            microbatch's share of the GLOBAL loss (divide by the global batch yourself)
+            microbatch's share of the GLOBAL loss (divide by the global batch yourself, or
+            give ``divisor``: ``(targets) -> the global divisor``, computed once per step
+            from this device's targets of every microbatch, e.g. the global count of real
+            targets when some are padding)
 
 and which params each reads: ``layers`` names the top-level subtree of stacked layers
 ``[L, ...]`` (its logical axis, e.g. ``"layers"``, mapped to ``stage`` by your rules);
@@ -16,8 +20,10 @@ once).
 
 Placement: device s of the stage axis holds chunks s, s+S, ... (``pipeline.layer_order``):
 ``ShardedModel.shard`` stores the layers so and ``to_reference`` maps any params-shaped tree
-(gradients) back to your order. The batch inputs are ``(inputs, targets)``, each split into M
-microbatches of the data-local batch. Sharding signature, per device of (data, stage):
+(gradients) back to your order. The batch inputs are ``(inputs, targets, *side)``, each split
+into M microbatches of the data-local batch; the side inputs (packed documents' segment ids
+and positions) reach every chunk of their microbatch as the tuple ``side_m``, on every stage.
+Sharding signature, per device of (data, stage):
 
   the layers[L_stage, ...] · inputs[B_data, ...] · targets[B_data, ...]
     -> loss (invariant), grads like params (layers split over stage, ends whole)
@@ -69,6 +75,7 @@ class Stages:
     embed: tuple[str, ...] = ()
     head: tuple[str, ...] = ()
     axis: str = "stage"
+    divisor: Callable[[Any], Array] | None = None
 
     def order(self, depth: int) -> np.ndarray:
         """order[p] = your layer stored at position p (``pipeline.layer_order``)."""
@@ -105,15 +112,15 @@ def check(model: ShardedModel, stages: Stages) -> None:
             "ZeRO-2 cannot run under a pipeline: the schedule sums each layer's gradients over "
             "the microbatches before they are whole; use ZeRO-1 or 3."
         )
-    if len(model.batch_specs) != 2:
+    if len(model.batch_specs) < 2:
         raise PlanError(
-            f"A pipelined model takes two batch inputs (inputs, targets), not "
+            f"A pipelined model takes at least two batch inputs (inputs, targets, *side), not "
             f"{len(model.batch_specs)}."
         )
 
 
 def grads_local(
-    model: ShardedModel, stages: Stages, params: PyTree, inputs: Array, targets: Array
+    model: ShardedModel, stages: Stages, params: PyTree, inputs: Array, targets: Array, *side: Array
 ) -> tuple[Array, PyTree]:
     """Inside shard_map: (global loss, synced gradients) of ``model`` run by the schedule.
 
@@ -132,12 +139,13 @@ def grads_local(
     whole, scatter = jax.vjp(gathered, dp.vary(params, model.vary_axes))
     ends = pipeline.Ends(
         stages.embed_fn, {k: whole[k] for k in stages.embed},
-        stages.loss_fn, {k: whole[k] for k in stages.head},
+        _divided(stages, targets), {k: whole[k] for k in stages.head},
         tied=tuple(k for k in stages.embed if k in stages.head),
     )  # fmt: skip
     loss, d_chunks, d_embed, d_head = pipeline.pipeline_grads(
         sched, stages.stage_fn, chunks(whole[stages.layers], sched.virtual), ends,
         microbatches(inputs, micro), microbatches(targets, micro), axis=stages.axis,
+        side=tuple(microbatches(a, micro) for a in side) if side else None,
     )  # fmt: skip
     layers = whole[stages.layers]
     d_whole = {stages.layers: jax.tree.map(lambda g, w: g.reshape(w.shape), d_chunks, layers)}
@@ -146,6 +154,14 @@ def grads_local(
         d_whole[k] = parts[0] if len(parts) == 1 else jax.tree.map(lambda a, b: a + b, *parts)
     (grads,) = scatter(jax.tree.map(_typed_like, {k: d_whole[k] for k in whole}, whole))
     return model.total_loss(loss), model.finish_grads(grads)
+
+
+def _divided(stages: Stages, targets: Array) -> Callable[..., Array]:
+    """The loss function, its shares divided by ``stages.divisor(targets)`` if given."""
+    if stages.divisor is None:
+        return stages.loss_fn
+    divisor = stages.divisor(targets)
+    return lambda head, y, target_m: stages.loss_fn(head, y, target_m) / divisor
 
 
 def microbatches(x: Array, micro: int) -> Array:

@@ -215,6 +215,19 @@ def test_a_tied_gpt_equals_its_twin_and_meets_its_contract(plan):
     assert report["tied"]
 
 
+def test_pipelined_packed_documents_equal_the_twin_and_the_contract():
+    """1F1B × DP × TP: each microbatch's segment ids and positions reach every chunk on every
+    stage (RoPE restarts per document), the loss divides by the global count of real
+    targets: equal to the twin, and the contract exact (the count's one all-reduce added).
+    With a ring inside the stages: ``test_lm_cli``'s ZBV case."""
+    cfg = gpt.GPTConfig(documents=True)
+    plan = gpt.GPTPlan({"data": 2, "stage": 2, "model": 2}, pp="1f1b", microbatches=2)
+    case = run_lm.verify_case(cfg, "documents", plan, BATCH)
+    assert case["ok"], case
+    report = json.loads(run_lm.inspect(cfg, plan, BATCH, as_json=True))
+    assert report["contract_ok"] and report["ratio"] == pytest.approx(1.0), report["mismatches"]
+
+
 @pytest.mark.parametrize(
     "plan",
     [

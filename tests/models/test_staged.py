@@ -114,7 +114,7 @@ def test_a_tied_end_sums_both_gradients() -> None:
          "The schedule has 2 stages but the mesh's 'stage' axis has 4 devices"),
         (lambda: ShardedModel(make_mesh({"stage": 2}), AXES, {"layers": "stage"},
                               pipeline=_model("gpipe", 1, 2, 2).pipeline),
-         r"A pipelined model takes two batch inputs \(inputs, targets\), not 1"),
+         r"A pipelined model takes at least two batch inputs \(inputs, targets, \*side\), not 1"),
         (lambda: ShardedModel(make_mesh({"stage": 2}), AXES, {"layers": "stage"}),
          "Give loss_local"),
     ],

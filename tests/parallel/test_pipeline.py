@@ -369,3 +369,49 @@ def test_every_device_runs_each_phase_some_stage_runs():
         summary = stage_ledger(led, schedule, s).summary()
         assert summary[("collective-permute", ("model",))].count == runs["F"] + runs["B"]
         assert summary[("collective-permute", ("stage",))].count == sum(pl.tables(schedule).sent())
+
+
+# ----------------------------------------------------------------------------- side inputs
+
+
+def gated_stage_fn(p, x, side):
+    """A chunk that reads its microbatch's side input: a per-token gate on the residual."""
+    (gate,) = side
+    return x + gate * mlp_tp(x, p, None, jnp.tanh)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb", "zbv"])
+def test_side_inputs_reach_every_chunk_of_their_microbatch(name):
+    """``side``: per-microbatch inputs every chunk reads (packed documents' segment ids), on
+    every stage, in a plain, a split and a V schedule, the buffers NaN-poisoned: the loss and
+    every gradient equal the unsharded loop that gates microbatch m's chunks with gate m."""
+    schedule = sc.build(name, 2, 4, 2 if name == "interleaved" else 1)
+    chunks, embed, head = init(2 * schedule.virtual)
+    rng = np.random.default_rng(1)
+    x, t = (jnp.asarray(rng.normal(size=(4, B, T, d)), jnp.float32) for d in (D_IN, D_OUT))
+    gate = jnp.asarray(rng.integers(0, 3, size=(4, B, T, 1)), jnp.float32)
+
+    def body(chunks, embed, head, x, t, gate):
+        ends = pl.Ends(embed_fn, embed, loss_fn, head)
+        return pl.pipeline_grads(schedule, gated_stage_fn, chunks, ends, x, t, side=(gate,),
+                                 poison=True)  # fmt: skip
+
+    chunk_spec = jax.tree.map(lambda _: P("stage"), chunks)
+    step = jax.jit(jax.shard_map(body, mesh=mesh_of(1, 2, 1), in_specs=(chunk_spec, *[P()] * 5),
+                                 out_specs=(P(), chunk_spec, P(), P())))  # fmt: skip
+    order = device_order(schedule)
+    got = step(jax.tree.map(lambda a: a[order], chunks), embed, head, x, t, gate)
+    got = (got[0], jax.tree.map(lambda a: a[np.argsort(order)], got[1]), *got[2:])
+
+    def ref(chunks, embed, head):
+        def one(m):
+            h = embed_fn(embed, x[m])
+            for c in range(2 * schedule.virtual):
+                h = gated_stage_fn(jax.tree.map(lambda a, c=c: a[c], chunks), h, (gate[m],))
+            return loss_fn(head, h, t[m])
+
+        return sum(one(m) for m in range(4))
+
+    want = (ref(chunks, embed, head), *jax.grad(ref, argnums=(0, 1, 2))(chunks, embed, head))
+    for what, a, b in zip(("loss", "chunks", "embed", "head"), got, want, strict=True):
+        assert testing.max_error(a, b) <= 1e-5, what

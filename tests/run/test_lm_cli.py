@@ -38,11 +38,14 @@ def test_inspect_moe_gpt_holds_its_contract(capsys):
     "argv",
     [["--model", "gpt", "--mesh", "data=2,seq=4", "--sp", "ring"],
      ["--model", "gpt", "--mesh", "seq=2,model=4", "--sp", "ulysses"],
-     ["--model", "moe-gpt", "--mesh", "expert=2,seq=4", "--sp", "ring"]],
+     ["--model", "moe-gpt", "--mesh", "expert=2,seq=4", "--sp", "ring"],
+     ["--model", "gpt", "--mesh", "data=2,stage=2,seq=2", "--sp", "ring", "--depth", "4",
+      "--pp", "zbv", "--microbatches", "2"]],
 )  # fmt: skip
 def test_packed_documents_verify(argv, capsys):
     """--documents: each line a document (the ring and Ulysses carry the segment ids, RoPE
-    the per-document positions, the loss divides by the real targets): equal to the twin."""
+    the per-document positions, the loss divides by the real targets): equal to the twin;
+    pipelined (ZBV, a zigzag ring inside the stages), the ids and positions side inputs."""
     assert cli.main(["verify", *argv, "--documents", "--json"]) == 0
     case = json.loads(capsys.readouterr().out)["cases"][0]
     assert case["ok"] and max(case["errors"].values()) <= 1e-5, case
@@ -79,6 +82,10 @@ def test_train_moe_gpt_writes_its_run(tmp_path, capsys):
         (["bench", "--model", "gpt", "--steps", "0"], "--steps must be >= 1"),
         (["verify", "--documents"], "--documents applies to --model gpt or moe-gpt"),
         (["verify", "--tied"], "--tied applies to --model gpt or moe-gpt"),
+        (["verify", "--model", "gpt", "--heads", "3"], "dim=64 does not split into heads=3"),
+        (["verify", "--model", "gpt", "--depth", "0"], "layers must be positive integers"),
+        (["verify", "--model", "gpt", "--mesh", "stage=2", "--pp", "zbv"],
+         "layers=2 do not split into stage×virtual=4 chunks"),
         (["verify", "--model", "gpt", "--experts", "4"], "--experts needs --model moe-gpt"),
         (["train", "--model", "gpt", "--capacity-factor", "2"],
          "--capacity-factor needs --model moe-gpt"),

@@ -35,8 +35,13 @@ Per step, with b·t local tokens of width D (w = 4 bytes, float32), L layers:
               phases run (``pipeline.chunk_runs``) and the ends' terms every phase that
               needs them, on every stage
 
-The Ulysses core and remat have no terms here (``expected`` returns None for them: under
-remat the blocks' collectives re-run in the backward).
+  documents   the global count of real targets: one all-reduce of w over data × expert × seq
+
+The Ulysses core, remat, and packed documents under a ring over seq have no terms here
+(``expected`` returns None for them: under remat the blocks' collectives re-run in the
+backward; the ring carries each query block's segment ids too, hops that XLA hoists out of
+the layer loop and merges between forward and backward as it sees fit: at n = 2, one hop per
+step; at n = 4, nine; under a pipeline, n − 1 per chunk run, F and B).
 """
 
 from __future__ import annotations
@@ -91,15 +96,20 @@ def expected(
     cfg: GPTConfig, plan: GPTPlan, batch: int, local_params: int, stage: int | None = None
 ) -> list[Term] | None:
     """The collectives of one train step clipped by its global norm (None: the Ulysses core,
-    or remat); ``local_params``: the elements of params one device holds; ``stage``: under a
-    pipeline, the stage whose device is expected (default: the last)."""
+    remat, or packed documents under a ring); ``local_params``: the elements of params one
+    device holds; ``stage``: under a pipeline, the stage whose device is expected (default:
+    the last)."""
     mesh = plan.mesh
-    if (plan.core != "ring" and mesh["seq"] > 1) or plan.remat != "none":
+    if (mesh["seq"] > 1 and (plan.core != "ring" or cfg.documents)) or plan.remat != "none":
         return None
     n_data, n_ep, n_seq, n_model = (mesh[a] for a in ("data", "expert", "seq", "model"))
     b, t, layers = batch // (n_data * n_ep), cfg.tokens // n_seq, cfg.layers
     fsdp = plan.fsdp and n_data > 1
     out = [] if cfg.experts is None else moe_terms(cfg, cfg.experts, mesh, b * t, fsdp)
+    counted = _axes(mesh, ("data", "expert", "seq"))
+    if cfg.documents and counted:
+        n = math.prod(mesh[a] for a in counted)
+        out.append(contract.all_reduce(counted, W, n, 1, "real targets' count"))
     if plan.pp != "none":
         out += _pipeline_terms(cfg, plan, b * t, mesh["stage"] - 1 if stage is None else stage)
     elif n_model > 1:

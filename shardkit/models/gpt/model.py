@@ -23,7 +23,6 @@ from __future__ import annotations
 import codecs
 import contextlib
 import dataclasses
-import functools
 import io
 from collections.abc import Callable
 from typing import Any
@@ -127,6 +126,12 @@ def check_plan(cfg: GPTConfig, plan: GPTPlan, batch: int) -> None:
     experts = cfg.experts.experts if cfg.experts else 0
     local_heads = cfg.heads // model if cfg.heads % model == 0 else 0
     checks = [
+        (min(cfg.dim, cfg.heads, cfg.kv_heads, cfg.mlp, cfg.layers) < 1,
+         "dim, heads, KV heads, mlp and layers must be positive integers"),
+        (cfg.dim % max(cfg.heads, 1) or cfg.dim // max(cfg.heads, 1) % 2,
+         f"dim={cfg.dim} does not split into heads={cfg.heads} of an even size (RoPE)"),
+        (cfg.heads % max(cfg.kv_heads, 1),
+         f"heads={cfg.heads} is not divisible by the KV heads ({cfg.kv_heads})"),
         *_pipeline_checks(cfg, plan, batch),
         (plan.core not in CORES, f"The core must be one of {CORES}, got {plan.core!r}"),
         (plan.kernel not in KERNELS,
@@ -172,7 +177,6 @@ def _pipeline_checks(cfg: GPTConfig, plan: GPTPlan, batch: int) -> list[tuple[An
         (stage == 1, f"--pp {plan.pp} needs a stage axis of size > 1 in --mesh (it has stage=1)"),
         (cfg.experts is not None, "The MoE decoder does not pipeline yet (its aux losses and "
          "routing metrics leave the stages); pipeline the dense gpt"),
-        (cfg.documents, "Packed documents do not pipeline yet (a stage takes two batch inputs)"),
         (cfg.layers % chunks, f"layers={cfg.layers} do not split into stage×virtual={chunks} "
          "chunks"),
         (local % max(plan.microbatches, 1), f"The data-local batch ({local}) is not divisible by "
@@ -364,13 +368,13 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
 
         return jax.lax.scan(block, h, stacked)
 
-    def ce_share(p, h, y, micro=1):  # this device's share of the mean cross-entropy
+    def ce_sum(p, h, y):  # this device's summed cross-entropy
         logits = lm.vocab_logits(lm.rms_norm(h, p["norm"]), head_of(p, cfg), tp)  # [b, t, V/n]
-        return lm.vocab_cross_entropy(logits, y, tp).sum() / (targets(y) * micro)
+        return lm.vocab_cross_entropy(logits, y, tp).sum()
 
     def loss_local(p, x, y, seg=None, pos=None):  # this device's share (and the MoE metrics)
         h, (aux, counts) = blocks(lm.vocab_embed(x, p["embed"], tp), p["blocks"], seg, pos)
-        share = ce_share(p, h, y)
+        share = ce_sum(p, h, y) / targets(y)
         if cfg.experts is None:
             return share
         return share + aux.sum(), _moe_metrics(cfg, counts, y.size * mesh.size // n_model)
@@ -380,7 +384,8 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
             return y.size * mesh.shape["data"] * mesh.shape["expert"] * n_seq
         return jax.lax.psum(lm.valid_count(y), tuple(a for a in token_split if mesh.shape[a] > 1))
 
-    pipeline = _stages(cfg, plan, lambda p, x: lm.vocab_embed(x, p["embed"], tp), blocks, ce_share)
+    embed = lambda p, x: lm.vocab_embed(x, p["embed"], tp)  # noqa: E731
+    pipeline = _stages(cfg, plan, (embed, blocks, ce_sum, targets))
     token_split, tokens = ("data", "expert", "seq"), P(("data", "expert"), "seq")
     return ShardedModel(mesh, param_axes(cfg.experts is not None, cfg.tied),
                         rules(n_model, cfg.kv_heads, plan.fsdp, pipeline is not None),
@@ -399,22 +404,21 @@ def head_of(p: Params, cfg: GPTConfig) -> jax.Array:
 
 
 def _stages(
-    cfg: GPTConfig,
-    plan: GPTPlan,
-    embed: Callable[..., Any],
-    blocks: Callable[..., Any],
-    ce_share: Callable[..., Any],
+    cfg: GPTConfig, plan: GPTPlan, parts: tuple[Callable[..., Any], ...]
 ) -> staged.Stages | None:
-    """The decoder cut for ``plan.pp``: the embedding on the first stage, the blocks as the
-    chunks, the final norm, head and cross-entropy (over the global token count) on the last.
-    Tied, the embedding is an end of both: its two gradients meet in the engine's all-reduce
-    over stage (``staged.Stages``)."""
+    """The decoder cut for ``plan.pp`` from its ``parts`` (embed, blocks, the summed
+    cross-entropy, the global count of real targets): the embedding on the first stage, the
+    blocks as the chunks (packed documents: each microbatch's segment ids and positions their
+    side inputs), the final norm, head and cross-entropy on the last, divided by the global
+    count. Tied, the embedding is an end of both: its two gradients meet in the engine's
+    all-reduce over stage (``staged.Stages``)."""
     if plan.pp == "none":
         return None
+    embed, blocks, ce_sum, targets = parts
+    chunk = lambda c, h, side=(): blocks(h, c, *side)[0]  # noqa: E731
     return staged.Stages(
-        plan.schedule(), embed, lambda chunk, h: blocks(h, chunk)[0],
-        functools.partial(ce_share, micro=plan.microbatches),
-        "blocks", embed=("embed",), head=("norm", "embed" if cfg.tied else "head"),
+        plan.schedule(), embed, chunk, ce_sum, "blocks", embed=("embed",),
+        head=("norm", "embed" if cfg.tied else "head"), divisor=targets,
     )  # fmt: skip
 
 

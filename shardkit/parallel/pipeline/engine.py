@@ -31,7 +31,7 @@ from shardkit.parallel.pipeline.tables import (
 )
 from shardkit.parallel.vma import tree_varying_axes, vary, vary_tree, varying_axes
 
-StageFn = Callable[[Any, jax.Array], jax.Array]
+StageFn = Callable[..., jax.Array]  # (chunk_params, x[, side_m]) -> y
 EmbedFn = Callable[[Any, Any], jax.Array]
 LossFn = Callable[[Any, jax.Array, Any], jax.Array]
 
@@ -63,6 +63,7 @@ def pipeline_grads(
     inputs: Any,
     targets: Any,
     *,
+    side: Any = None,
     axis: str = "stage",
     poison: bool = False,
     uniform: bool | None = None,
@@ -71,11 +72,14 @@ def pipeline_grads(
 
     Args:
       schedule: from ``schedules.build``; its S must equal the size of ``axis``.
-      stage_fn: ``(chunk_params, x) -> y``, y shaped and typed like x.
+      stage_fn: ``(chunk_params, x) -> y``, y shaped and typed like x; with ``side``,
+        ``(chunk_params, x, side_m) -> y``.
       stage_params: this device's V chunks, every leaf stacked [V, ...].
       ends: the embedding before chunk 0 and the loss after the last chunk.
       inputs: pytree of [M, ...]: ``embed_fn``'s input per microbatch (read on stage 0).
       targets: pytree of [M, ...]: ``loss_fn``'s target per microbatch (read on stage S−1).
+      side: pytree of [M, ...] or None: what every chunk reads of its microbatch besides x
+        (packed documents' segment ids and positions); no gradient flows into it.
       axis: the pipeline's mesh axis.
       poison: start the stash, the inboxes and the receive buffers at NaN instead of zeros
         (a test: finite, equal gradients prove that no unwritten slot is ever read, or, in
@@ -92,14 +96,15 @@ def pipeline_grads(
       gradient is still a partial sum over the inputs' other axes (``data``): sync them as for
       any data-parallel gradient.
     """
-    _check_shapes(schedule, stage_params, inputs, targets, axis)
+    _check_shapes(schedule, stage_params, (inputs, side), targets, axis)
     act_axes = tree_varying_axes(inputs) | {axis}
     stage_params, ends, x0 = _typed_for_branches(stage_params, ends, inputs, act_axes)
-    chunk0 = jax.tree.map(lambda a: a[0], stage_params)
-    y0, proto = jax.vjp(stage_fn, chunk0, x0)
+    side = None if side is None else vary_tree(side, act_axes)  # typed as a tick reads it
+    chunk0, first_fn = jax.tree.map(lambda a: a[0], stage_params), _bound(stage_fn, side, 0)
+    y0, proto = jax.vjp(first_fn, chunk0, x0)
     _check_stage_fn(x0, y0)
     firsts = (jax.tree.map(lambda a: a[0], inputs), jax.tree.map(lambda a: a[0], targets))
-    schedule = _form(schedule, _model_permutes(stage_fn, ends, chunk0, x0, y0, firsts), uniform)
+    schedule = _form(schedule, _model_permutes(first_fn, ends, chunk0, x0, y0, firsts), uniform)
     leaves, vjp_def = jax.tree.flatten(proto)
     keep = _param_mask(leaves, chunk0)
     tab = tables(schedule)
@@ -107,7 +112,7 @@ def pipeline_grads(
     state = _initial_state(tab, stage_params, ends, x0, act_axes, (leaves, keep), fill)
     split = _split_backward(schedule, vjp_def, leaves, y0, tab, state, (act_axes, fill))
     stage = jax.lax.axis_index(axis)
-    ctx = _Context(schedule, stage_fn, stage_params, ends, inputs, targets, axis, stage,
+    ctx = _Context(schedule, stage_fn, stage_params, ends, inputs, targets, side, axis, stage,
                    vjp_def, keep, split, tab.x_pairs, tab.dy_pairs)  # fmt: skip
     state = _run_segments(ctx, tab, state)
     ends_grads = _merge_tied(ends.tied, state["embed_grads"], state["loss_grads"])
@@ -267,6 +272,7 @@ class _Context:
     ends: Ends
     inputs: Any
     targets: Any
+    side: Any  # per-microbatch inputs of every chunk, or None
     axis: str
     stage: jax.Array
     vjp_def: Any
@@ -390,6 +396,14 @@ def _micro(tree: Any, row: Row) -> Any:
     return jax.tree.map(lambda a: a[row["micro"]], tree)
 
 
+def _bound(stage_fn: StageFn, side: Any, micro: Any) -> StageFn:
+    """The chunk as ``(chunk_params, x) -> y``: with side inputs, microbatch ``micro``'s."""
+    if side is None:
+        return stage_fn
+    side_m = jax.tree.map(lambda a: a[micro], side)
+    return lambda p, x: stage_fn(p, x, side_m)
+
+
 def _embed(ctx: _Context, row: Row) -> tuple[jax.Array, Callable[..., Any]]:
     embed = ctx.ends.embed_fn
     return jax.vjp(lambda ep: embed(ep, _micro(ctx.inputs, row)), ctx.ends.embed_params)
@@ -403,7 +417,7 @@ def _forward(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, las
     if first:
         x = _pick(row, "first", _like(_embed(ctx, row)[0], zeros), x)
     p = _chunk(ctx, row)
-    y, vjp = jax.vjp(ctx.stage_fn, p, _like(x, zeros))
+    y, vjp = jax.vjp(_bound(ctx.stage_fn, ctx.side, row["micro"]), p, _like(x, zeros))
     leaves = jax.tree.leaves(vjp)
     assert _param_mask(leaves, p) == ctx.keep, "stage_fn's residuals differ between traces"
     stashed = [leaf for leaf, k in zip(leaves, ctx.keep, strict=True) if k < 0]
