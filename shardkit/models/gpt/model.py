@@ -338,7 +338,6 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
     n_model, n_seq = mesh.shape["model"], mesh.shape["seq"]
     tp, sp = ("model" if n_model > 1 else None), ("seq" if n_seq > 1 else None)
     ep = "expert" if mesh.shape["expert"] > 1 else None
-    kv_repeat = n_model > cfg.kv_heads
     attend = {"ring": sequence.attention_ring, "ulysses": sequence.attention_ulysses}[plan.core]
 
     def causal_core(seg):  # over seq on local heads; GQA K/V blocks stay h_kv-headed
@@ -361,7 +360,7 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
         @remat.block  # the plan's remat; a forgotten row-parallel reduction named at trace time
         def block(h, b):
             a = tensor.attention_tp(lm.rms_norm(h, b["norm1"]), b["attn"], tp, core,
-                                    rope=rope, kv_repeat=kv_repeat)  # fmt: skip
+                                    rope=rope, kv_repeat=n_model > cfg.kv_heads)  # fmt: skip
             h = h + a
             z, aux, counts = mlp(lm.rms_norm(h, b["norm2"]), b["mlp"])
             return h + z, (aux, counts)

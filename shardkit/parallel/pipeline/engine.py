@@ -90,16 +90,14 @@ def pipeline_grads(
         branch form cannot run; False with such a function is refused.
 
     Returns:
-      (loss, d_stage_params, d_embed_params, d_loss_params): Σ_m loss and the gradients of
-      that sum: for this device's chunks [V, ...] (varying over ``axis``), for the embedding and
-      the loss params (invariant over ``axis``; a tied key's in the embedding's only). Every
-      gradient is still a partial sum over the inputs' other axes (``data``): sync them as for
-      any data-parallel gradient.
+      (loss, d_stage_params, d_embed_params, d_loss_params): Σ_m loss and its gradients: for
+      this device's chunks [V, ...] (varying over ``axis``), for the embedding and the loss
+      params (invariant over ``axis``; a tied key's in the embedding's only), each a partial
+      sum over the inputs' other axes (``data``): sync them as any data-parallel gradient.
     """
     _check_shapes(schedule, stage_params, (inputs, side), targets, axis)
     act_axes = tree_varying_axes(inputs) | {axis}
-    stage_params, ends, x0 = _typed_for_branches(stage_params, ends, inputs, act_axes)
-    side = None if side is None else vary_tree(side, act_axes)  # typed as a tick reads it
+    stage_params, ends, x0, side = _typed_for_branches(stage_params, ends, inputs, side, act_axes)
     chunk0, first_fn = jax.tree.map(lambda a: a[0], stage_params), _bound(stage_fn, side, 0)
     y0, proto = jax.vjp(first_fn, chunk0, x0)
     _check_stage_fn(x0, y0)
@@ -115,13 +113,14 @@ def pipeline_grads(
     ctx = _Context(schedule, stage_fn, stage_params, ends, inputs, targets, side, axis, stage,
                    vjp_def, keep, split, tab.x_pairs, tab.dy_pairs)  # fmt: skip
     state = _run_segments(ctx, tab, state)
-    ends_grads = _merge_tied(ends.tied, state["embed_grads"], state["loss_grads"])
-    loss, embed_grads, loss_grads = jax.lax.psum((state["loss"], *ends_grads), axis)
+    loss, embed_grads, loss_grads = jax.lax.psum((state["loss"], *_ends_grads(ends, state)), axis)
     return loss, state["grads"], embed_grads, loss_grads
 
 
-def _merge_tied(tied: tuple[str, ...], embed_grads: Any, loss_grads: Any) -> tuple[Any, Any]:
-    """Each tied key's two gradients as one, in the embedding's (``Ends.tied``)."""
+def _ends_grads(ends: Ends, state: dict[str, Any]) -> tuple[Any, Any]:
+    """The embedding's and the loss's gradients, each tied key's two as one, in the
+    embedding's (``Ends.tied``)."""
+    tied, embed_grads, loss_grads = ends.tied, state["embed_grads"], state["loss_grads"]
     if not tied:
         return embed_grads, loss_grads
     summed = {k: jax.tree.map(jnp.add, embed_grads[k], loss_grads[k]) for k in tied}
@@ -188,18 +187,20 @@ def _run_segments(ctx: _Context, tab: Tables, state: dict[str, Any]) -> dict[str
 
 
 def _typed_for_branches(
-    stage_params: Any, ends: Ends, inputs: Any, act_axes: frozenset[str]
-) -> tuple[Any, Ends, jax.Array]:
-    """(stage_params, ends, x0 = the first microbatch embedded), all typed varying over
+    stage_params: Any, ends: Ends, inputs: Any, side: Any, act_axes: frozenset[str]
+) -> tuple[Any, Ends, jax.Array, Any]:
+    """(stage_params, ends, x0 = the first microbatch embedded, side), all typed varying over
     ``act_axes`` (the inputs' axes and the stage): everything a branch computes varies there,
-    so the params' gradients come out as partial sums (no collective inside a branch)."""
+    so the params' gradients come out as partial sums (no collective inside a branch), and
+    a chunk's residuals are typed alike whichever microbatch's side inputs it reads."""
     ends = dataclasses.replace(
         ends,
         embed_params=vary_tree(ends.embed_params, act_axes),
         loss_params=vary_tree(ends.loss_params, act_axes),
     )
     x0 = vary(ends.embed_fn(ends.embed_params, jax.tree.map(lambda a: a[0], inputs)), act_axes)
-    return vary_tree(stage_params, act_axes), ends, x0
+    side = None if side is None else vary_tree(side, act_axes)
+    return vary_tree(stage_params, act_axes), ends, x0, side
 
 
 def _check_stage_fn(x0: jax.Array, y0: jax.Array) -> None:
