@@ -25,7 +25,7 @@ into M microbatches of the data-local batch; the side inputs (packed documents' 
 and positions) reach every chunk of their microbatch as the tuple ``side_m``, on every stage.
 Sharding signature, per device of (data, stage):
 
-  the layers[L_stage, ...] · inputs[B_data, ...] · targets[B_data, ...]
+  the layers[L_stage, ...] · inputs[B_data, ...] · targets[B_data, ...] · side[B_data, ...]
     -> loss (invariant), grads like params (layers split over stage, ends whole)
 
 Composes with data parallelism, FSDP / ZeRO-1 (every split leaf gathered once per step before
