@@ -6,6 +6,9 @@ You give the schedule (``parallel.pipeline.schedules.build``) and three function
   embed_fn  ``(embed_params, input_m) -> x``             before chunk 0 (stage 0)
   stage_fn  ``(chunk_params, x) -> y``                   one chunk: its layers, y typed like x
             ``(chunk_params, x, side_m) -> y``          with side inputs (below)
+            ``... -> (y, aux_loss)``                     with ``aux=True``: a scalar term of
+            the loss (a MoE layer's balance losses, this microbatch's share), summed into
+            the loss with its gradient
   loss_fn   ``(head_params, y, target_m) -> share``      after the last chunk: this
             microbatch's share of the GLOBAL loss (divide by the global batch yourself, or
             give ``divisor``: ``(targets) -> the global divisor``, computed once per step
@@ -76,6 +79,7 @@ class Stages:
     head: tuple[str, ...] = ()
     axis: str = "stage"
     divisor: Callable[[Any], Array] | None = None
+    aux: bool = False
 
     def order(self, depth: int) -> np.ndarray:
         """order[p] = your layer stored at position p (``pipeline.layer_order``)."""
@@ -145,7 +149,7 @@ def grads_local(
     loss, d_chunks, d_embed, d_head = pipeline.pipeline_grads(
         sched, stages.stage_fn, chunks(whole[stages.layers], sched.virtual), ends,
         microbatches(inputs, micro), microbatches(targets, micro), axis=stages.axis,
-        side=tuple(microbatches(a, micro) for a in side) if side else None,
+        side=tuple(microbatches(a, micro) for a in side) if side else None, aux=stages.aux,
     )  # fmt: skip
     layers = whole[stages.layers]
     d_whole = {stages.layers: jax.tree.map(lambda g, w: g.reshape(w.shape), d_chunks, layers)}

@@ -169,7 +169,7 @@ def verify(
     """Every plan in turn (all checked first); a row each, or one JSON object."""
     for p in plans.values():
         gpt.check_plan(cfg, p, batch)
-    row = "{:<22}{:<31}{:<18}{:>6}{:>10}{:>10}{:>10}  {}"
+    row = "{:<22}{:<39}{:<18}{:>6}{:>10}{:>10}{:>10}  {}"
     if not as_json:
         echo(row.format("case", "mesh", "sp", "fsdp", "loss", "grads", "step", "ok"), flush=True)
     cases = []
@@ -218,11 +218,11 @@ def inspect(cfg: gpt.GPTConfig, p: gpt.GPTPlan, batch: int, *, as_json: bool = F
     inputs = model.shard_batch(*ordered(p, *sample(cfg, batch)))
     measured = ledger.measure(step, params, state, *inputs, mesh=model.mesh)
     local = sum(leaf.addressable_shards[0].data.size for leaf in jax.tree.leaves(params))
-    routing = _routing(model, params, inputs) if cfg.experts is not None else {}
+    moe_metrics = cfg.experts is not None and p.pp == "none"  # not reported under a pipeline
+    routing = _routing(model, params, inputs) if moe_metrics else {}
     expectation = gpt.expectation(cfg, p, batch, local)
     if expectation is None:
-        why = "remat (the blocks' collectives re-run)" if p.remat != "none" else "the Ulysses core"
-        note = f"no cost model for {why}: measured only"
+        note = f"no cost model for {gpt.no_terms_reason(cfg, p)}: measured only"
         if as_json:
             return json.dumps({"model": model_name(cfg), **measured.to_json(), "note": note,
                                **routing})  # fmt: skip

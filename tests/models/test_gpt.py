@@ -187,6 +187,24 @@ def test_a_pipelined_gpt_meets_its_contract_stage_by_stage():
     assert len(report["stage_flops"]) == 2
 
 
+MOE_PIPELINES = [  # the MoE decoder pipelined: all-to-alls over expert inside the stages
+    gpt.GPTPlan({"data": 2, "stage": 2, "expert": 2}, pp="zb", microbatches=2),
+    # a ppermute too (the causal ring): the uniform form, every all-to-all on every stage
+    gpt.GPTPlan({"stage": 2, "expert": 2, "seq": 2}, "zigzag", pp="interleaved",
+                microbatches=2, virtual=2),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("plan", MOE_PIPELINES, ids=["ZB-H1 × EP × DP", "interleaved × EP × ring"])
+def test_a_pipelined_moe_gpt_equals_its_twin(plan):
+    """Each chunk returns its microbatch's load-balance and z-losses (over M) as the engine's
+    aux loss: loss, every gradient leaf (router included) and one AdamW step equal the twin
+    that routes and balances each microbatch apart, at capacity factor 1.0."""
+    cfg = gpt.moe_config(moe.MoE(8, 2, 1.0), layers=4)
+    case = run_lm.verify_case(cfg, "moe", plan, BATCH)
+    assert case["ok"], case
+
+
 def test_the_tied_twin_is_the_untied_one_with_the_embeddings_transpose():
     tied = gpt.GPTConfig(tied=True)
     p = gpt.init(0, tied)

@@ -371,20 +371,23 @@ def test_every_device_runs_each_phase_some_stage_runs():
         assert summary[("collective-permute", ("stage",))].count == sum(pl.tables(schedule).sent())
 
 
-# ----------------------------------------------------------------------------- side inputs
+# ----------------------------------------------------------------------------- side inputs, aux
 
 
 def gated_stage_fn(p, x, side):
-    """A chunk that reads its microbatch's side input: a per-token gate on the residual."""
+    """A chunk that reads its microbatch's side input (a per-token gate on the residual) and
+    returns an aux loss of its own (as a MoE layer's balance loss)."""
     (gate,) = side
-    return x + gate * mlp_tp(x, p, None, jnp.tanh)
+    h = mlp_tp(x, p, None, jnp.tanh)
+    return x + gate * h, 0.01 * jnp.sum(h**2)
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb", "zbv"])
-def test_side_inputs_reach_every_chunk_of_their_microbatch(name):
+def test_side_inputs_and_aux_losses(name):
     """``side``: per-microbatch inputs every chunk reads (packed documents' segment ids), on
-    every stage, in a plain, a split and a V schedule, the buffers NaN-poisoned: the loss and
-    every gradient equal the unsharded loop that gates microbatch m's chunks with gate m."""
+    every stage; ``aux``: each chunk's own loss term, summed into the loss, its gradient
+    through B (and, split, W). A plain, a split and a V schedule, buffers NaN-poisoned: the
+    loss and every gradient equal the unsharded loop's."""
     schedule = sc.build(name, 2, 4, 2 if name == "interleaved" else 1)
     chunks, embed, head = init(2 * schedule.virtual)
     rng = np.random.default_rng(1)
@@ -394,7 +397,7 @@ def test_side_inputs_reach_every_chunk_of_their_microbatch(name):
     def body(chunks, embed, head, x, t, gate):
         ends = pl.Ends(embed_fn, embed, loss_fn, head)
         return pl.pipeline_grads(schedule, gated_stage_fn, chunks, ends, x, t, side=(gate,),
-                                 poison=True)  # fmt: skip
+                                 aux=True, poison=True)  # fmt: skip
 
     chunk_spec = jax.tree.map(lambda _: P("stage"), chunks)
     step = jax.jit(jax.shard_map(body, mesh=mesh_of(1, 2, 1), in_specs=(chunk_spec, *[P()] * 5),
@@ -405,13 +408,29 @@ def test_side_inputs_reach_every_chunk_of_their_microbatch(name):
 
     def ref(chunks, embed, head):
         def one(m):
-            h = embed_fn(embed, x[m])
+            h, aux = embed_fn(embed, x[m]), 0.0
             for c in range(2 * schedule.virtual):
-                h = gated_stage_fn(jax.tree.map(lambda a, c=c: a[c], chunks), h, (gate[m],))
-            return loss_fn(head, h, t[m])
+                h, a = gated_stage_fn(jax.tree.map(lambda a, c=c: a[c], chunks), h, (gate[m],))
+                aux = aux + a
+            return loss_fn(head, h, t[m]) + aux
 
         return sum(one(m) for m in range(4))
 
     want = (ref(chunks, embed, head), *jax.grad(ref, argnums=(0, 1, 2))(chunks, embed, head))
     for what, a, b in zip(("loss", "chunks", "embed", "head"), got, want, strict=True):
         assert testing.max_error(a, b) <= 1e-5, what
+
+
+def test_aux_without_an_aux_loss_is_one_sentence():
+    schedule = sc.build("1f1b", 2, 2)
+    chunks, embed, head = init(2)
+    x, t = jnp.zeros((2, B, T, D_IN)), jnp.zeros((2, B, T, D_OUT))
+
+    def body(chunks, x, t):
+        ends = pl.Ends(embed_fn, embed, loss_fn, head)
+        return pl.pipeline_grads(schedule, stage_fn, chunks, ends, x, t, aux=True)[0]
+
+    fn = jax.shard_map(body, mesh=mesh_of(1, 2, 1), in_specs=(P("stage"), P(), P()),
+                       out_specs=P())  # fmt: skip
+    with pytest.raises(ValueError, match=r"With aux=True, stage_fn must return \(y, aux_loss\)"):
+        jax.jit(fn).lower(chunks, x, t)

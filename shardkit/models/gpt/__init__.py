@@ -2,7 +2,13 @@
 ``ShardedModel``: ``model`` (config, plan and its checks, params, the twin, the sharded
 decoder, the text data) and ``cost`` (its train step's collectives on paper)."""
 
-from shardkit.models.gpt.cost import GPTExpectation, expectation, expected, model_flops
+from shardkit.models.gpt.cost import (
+    GPTExpectation,
+    expectation,
+    expected,
+    model_flops,
+    no_terms_reason,
+)
 from shardkit.models.gpt.model import (
     CHARS,
     VOCAB,
@@ -31,6 +37,7 @@ __all__ = [
     "init",
     "model_flops",
     "moe_config",
+    "no_terms_reason",
     "param_axes",
     "rules",
     "sharded_gpt",

@@ -99,9 +99,9 @@ def expected(
     remat, or packed documents under a ring); ``local_params``: the elements of params one
     device holds; ``stage``: under a pipeline, the stage whose device is expected (default:
     the last)."""
-    mesh = plan.mesh
-    if (mesh["seq"] > 1 and (plan.core != "ring" or cfg.documents)) or plan.remat != "none":
+    if no_terms_reason(cfg, plan):
         return None
+    mesh = plan.mesh
     n_data, n_ep, n_seq, n_model = (mesh[a] for a in ("data", "expert", "seq", "model"))
     b, t, layers = batch // (n_data * n_ep), cfg.tokens // n_seq, cfg.layers
     fsdp = plan.fsdp and n_data > 1
@@ -136,6 +136,19 @@ def expected(
     every = _axes(mesh, ("data", "stage", "expert", "seq", "model"))
     out.append(contract.all_reduce(every, W, math.prod(mesh.values()), 1, "gradient norm"))
     return out
+
+
+def no_terms_reason(cfg: GPTConfig, plan: GPTPlan) -> str:
+    """Why ``expected`` has no terms for this plan ("" when it has)."""
+    ring = plan.mesh["seq"] > 1 and plan.core == "ring"
+    return (
+        "remat (the blocks' collectives re-run)" if plan.remat != "none"
+        else "the Ulysses core" if plan.mesh["seq"] > 1 and not ring
+        else "packed documents under a ring (the segment ids' hops are XLA's choice)"
+        if ring and cfg.documents
+        else "the MoE decoder under a pipeline" if plan.pp != "none" and cfg.experts
+        else ""
+    )  # fmt: skip
 
 
 def _pipeline_terms(cfg: GPTConfig, plan: GPTPlan, tokens: int, stage: int) -> list[Term]:

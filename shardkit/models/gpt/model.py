@@ -175,8 +175,6 @@ def _pipeline_checks(cfg: GPTConfig, plan: GPTPlan, batch: int) -> list[tuple[An
         (min(plan.microbatches, plan.virtual) < 1,
          "--microbatches and --virtual must be positive integers"),
         (stage == 1, f"--pp {plan.pp} needs a stage axis of size > 1 in --mesh (it has stage=1)"),
-        (cfg.experts is not None, "The MoE decoder does not pipeline yet (its aux losses and "
-         "routing metrics leave the stages); pipeline the dense gpt"),
         (cfg.layers % chunks, f"layers={cfg.layers} do not split into stage×virtual={chunks} "
          "chunks"),
         (local % max(plan.microbatches, 1), f"The data-local batch ({local}) is not divisible by "
@@ -322,8 +320,12 @@ def twin_loss(
     p: Params, x: jax.Array, y: jax.Array, cfg: GPTConfig, plan: GPTPlan | None = None, **hooks
 ):
     """Next-token cross-entropy averaged over the real targets (``lm.IGNORE`` ones left out)
-    plus the MoE losses, unsharded (``hooks``: as ``twin_logits``)."""
-    logits, aux = twin_logits(p, x, cfg, plan, **hooks)
+    plus the MoE losses, unsharded (``hooks``: as ``twin_logits``). A pipelined MoE plan routes
+    and balances each microbatch apart (``_microbatched``), as its stages do."""
+    if plan is not None and plan.pp != "none" and cfg.experts is not None:
+        logits, aux = _microbatched(p, x, cfg, plan, **hooks)
+    else:
+        logits, aux = twin_logits(p, x, cfg, plan, **hooks)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(y, 0))
     return jnp.where(y >= 0, ce, 0.0).sum() / jnp.sum(y >= 0, dtype=jnp.float32) + aux
 
@@ -331,10 +333,31 @@ def twin_loss(
 # --8<-- [end:twin]
 
 
+def _microbatched(p: Params, x: jax.Array, cfg: GPTConfig, plan: GPTPlan, **hooks: Any):
+    """``twin_logits`` microbatch by microbatch: microbatch m is every data shard's m-th slice
+    of its rows (``staged.microbatches``), routed in its own groups, its aux losses its own;
+    the logits back in batch order, the aux losses their mean over the M microbatches."""
+    shards, micro = plan.mesh["data"] * plan.mesh["expert"], plan.microbatches
+
+    def split(a: jax.Array) -> jax.Array:  # [B, ...] -> [M, B/M, ...]
+        a = a.reshape(shards, micro, -1, *a.shape[1:]).swapaxes(0, 1)
+        return a.reshape(micro, -1, *a.shape[3:])
+
+    seg = hooks.pop("seg", None)
+    segs = [None] * micro if seg is None else list(split(seg))
+    outs = [
+        twin_logits(p, xm, cfg, plan, seg=sm, **hooks)
+        for xm, sm in zip(split(x), segs, strict=True)
+    ]
+    logits = jnp.stack([o[0] for o in outs])  # [M, B/M, T, V]
+    logits = logits.reshape(micro, shards, -1, *logits.shape[2:]).swapaxes(0, 1)
+    return logits.reshape(x.shape[0], *logits.shape[3:]), sum(o[1] for o in outs) / micro
+
+
 # --8<-- [start:sharded]
 def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
-    """The decoder on ``mesh`` as ``plan`` says (``check_plan`` first); with experts its
-    step reports tokens per expert, dropped assignments and their fraction."""
+    """The decoder on ``mesh`` as ``plan`` says (``check_plan`` first); with experts and no
+    pipeline its step reports tokens per expert, dropped assignments and their fraction."""
     n_model, n_seq = mesh.shape["model"], mesh.shape["seq"]
     tp, sp = ("model" if n_model > 1 else None), ("seq" if n_seq > 1 else None)
     ep = "expert" if mesh.shape["expert"] > 1 else None
@@ -390,7 +413,7 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
                         rules(n_model, cfg.kv_heads, plan.fsdp, pipeline is not None),
                         None if pipeline else loss_local,
                         batch_specs=(tokens,) * (4 if cfg.documents else 2),
-                        token_axes=("expert", "seq"), aux=cfg.experts is not None,
+                        token_axes=("expert", "seq"), aux=bool(cfg.experts) and not pipeline,
                         remat=plan.remat, pipeline=pipeline)  # fmt: skip
 
 
@@ -414,10 +437,15 @@ def _stages(
     if plan.pp == "none":
         return None
     embed, blocks, ce_sum, targets = parts
-    chunk = lambda c, h, side=(): blocks(h, c, *side)[0]  # noqa: E731
+
+    def chunk(c, h, side=()):  # MoE: (h, this microbatch's aux losses over M)
+        h, (aux, _) = blocks(h, c, *side)
+        return h if cfg.experts is None else (h, aux.sum() / plan.microbatches)
+
     return staged.Stages(
         plan.schedule(), embed, chunk, ce_sum, "blocks", embed=("embed",),
         head=("norm", "embed" if cfg.tied else "head"), divisor=targets,
+        aux=cfg.experts is not None,
     )  # fmt: skip
 
 

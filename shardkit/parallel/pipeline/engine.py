@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardkit.parallel.pipeline import schedules
+from shardkit.parallel.pipeline.chunk import bound
 from shardkit.parallel.pipeline.schedules import Schedule
 from shardkit.parallel.pipeline.split import SplitBackward
 from shardkit.parallel.pipeline.tables import (
@@ -64,6 +65,7 @@ def pipeline_grads(
     targets: Any,
     *,
     side: Any = None,
+    aux: bool = False,
     axis: str = "stage",
     poison: bool = False,
     uniform: bool | None = None,
@@ -72,14 +74,13 @@ def pipeline_grads(
 
     Args:
       schedule: from ``schedules.build``; its S must equal the size of ``axis``.
-      stage_fn: ``(chunk_params, x) -> y``, y shaped and typed like x; with ``side``,
-        ``(chunk_params, x, side_m) -> y``.
+      stage_fn: ``(chunk_params, x[, side_m]) -> y`` typed like x; with ``aux``, ``(y, aux)``:
+        a scalar loss term (MoE balance losses) summed into the loss, with its gradient.
       stage_params: this device's V chunks, every leaf stacked [V, ...].
       ends: the embedding before chunk 0 and the loss after the last chunk.
       inputs: pytree of [M, ...]: ``embed_fn``'s input per microbatch (read on stage 0).
       targets: pytree of [M, ...]: ``loss_fn``'s target per microbatch (read on stage S−1).
-      side: pytree of [M, ...] or None: what every chunk reads of its microbatch besides x
-        (packed documents' segment ids and positions); no gradient flows into it.
+      side: pytree of [M, ...] or None: per-microbatch inputs of every chunk (segment ids).
       axis: the pipeline's mesh axis.
       poison: start the stash, the inboxes and the receive buffers at NaN instead of zeros
         (a test: finite, equal gradients prove that no unwritten slot is ever read, or, in
@@ -98,9 +99,9 @@ def pipeline_grads(
     _check_shapes(schedule, stage_params, (inputs, side), targets, axis)
     act_axes = tree_varying_axes(inputs) | {axis}
     stage_params, ends, x0, side = _typed_for_branches(stage_params, ends, inputs, side, act_axes)
-    chunk0, first_fn = jax.tree.map(lambda a: a[0], stage_params), _bound(stage_fn, side, 0)
-    y0, proto = jax.vjp(first_fn, chunk0, x0)
-    _check_stage_fn(x0, y0)
+    chunk0, first_fn = jax.tree.map(lambda a: a[0], stage_params), bound(stage_fn, side, 0, aux)
+    y0, proto, aux0 = jax.vjp(first_fn, chunk0, x0, has_aux=True)
+    _check_stage_fn(x0, y0, aux0)
     firsts = (jax.tree.map(lambda a: a[0], inputs), jax.tree.map(lambda a: a[0], targets))
     schedule = _form(schedule, _model_permutes(first_fn, ends, chunk0, x0, y0, firsts), uniform)
     leaves, vjp_def = jax.tree.flatten(proto)
@@ -109,8 +110,8 @@ def pipeline_grads(
     fill = np.nan if poison else 0.0
     state = _initial_state(tab, stage_params, ends, x0, act_axes, (leaves, keep), fill)
     split = _split_backward(schedule, vjp_def, leaves, y0, tab, state, (act_axes, fill))
-    stage = jax.lax.axis_index(axis)
-    ctx = _Context(schedule, stage_fn, stage_params, ends, inputs, targets, side, axis, stage,
+    chunk_fn, stage = bound(stage_fn, side, None, aux), jax.lax.axis_index(axis)
+    ctx = _Context(schedule, chunk_fn, stage_params, ends, inputs, targets, axis, stage,
                    vjp_def, keep, split, tab.x_pairs, tab.dy_pairs)  # fmt: skip
     state = _run_segments(ctx, tab, state)
     loss, embed_grads, loss_grads = jax.lax.psum((state["loss"], *_ends_grads(ends, state)), axis)
@@ -144,13 +145,13 @@ def _split_backward(
 
 
 def _model_permutes(
-    stage_fn: StageFn, ends: Ends, chunk0: Any, x0: jax.Array, y0: jax.Array, firsts: Any
+    stage_fn: Callable[..., Any], ends: Ends, chunk0: Any, x0: jax.Array, y0: jax.Array, firsts: Any
 ) -> set[str]:
     """The axes of every ``ppermute`` the chunk, the embedding or the loss (with their
     backward) runs, traced on the first microbatch (``firsts``: its input and target)."""
     return _permute_axes_of(
         lambda p, x, ep, lp, i, t: (
-            jax.vjp(stage_fn, p, x)[1](y0),
+            jax.vjp(stage_fn, p, x, has_aux=True)[1](y0),
             jax.vjp(ends.embed_fn, ep, i),
             jax.value_and_grad(ends.loss_fn, argnums=(0, 1))(lp, y0, t),
         ),
@@ -203,8 +204,11 @@ def _typed_for_branches(
     return vary_tree(stage_params, act_axes), ends, x0, side
 
 
-def _check_stage_fn(x0: jax.Array, y0: jax.Array) -> None:
-    """ValueError (one sentence) unless ``stage_fn`` maps x to a y of x's shape and type."""
+def _check_stage_fn(x0: jax.Array, y0: jax.Array, aux0: Any) -> None:
+    """ValueError (one sentence) unless ``stage_fn`` maps x to a y of x's shape and type (and
+    a scalar aux loss, if it returns one)."""
+    if aux0 is not None and jnp.shape(aux0) != ():
+        raise ValueError(f"stage_fn's aux loss must be a scalar, got shape {jnp.shape(aux0)}.")
     if varying_axes(y0) != varying_axes(x0) or y0.shape != x0.shape or y0.dtype != x0.dtype:
         raise ValueError(
             f"stage_fn must map x {x0.dtype}{list(x0.shape)} varying over "
@@ -268,12 +272,11 @@ def _check_shapes(
 @dataclasses.dataclass(frozen=True)
 class _Context:
     schedule: Schedule
-    stage_fn: StageFn
+    chunk_fn: Callable[..., Any]  # (params, x, m=micro) -> (y, aux loss or None): ``bound``
     stage_params: Any
     ends: Ends
     inputs: Any
     targets: Any
-    side: Any  # per-microbatch inputs of every chunk, or None
     axis: str
     stage: jax.Array
     vjp_def: Any
@@ -397,14 +400,6 @@ def _micro(tree: Any, row: Row) -> Any:
     return jax.tree.map(lambda a: a[row["micro"]], tree)
 
 
-def _bound(stage_fn: StageFn, side: Any, micro: Any) -> StageFn:
-    """The chunk as ``(chunk_params, x) -> y``: with side inputs, microbatch ``micro``'s."""
-    if side is None:
-        return stage_fn
-    side_m = jax.tree.map(lambda a: a[micro], side)
-    return lambda p, x: stage_fn(p, x, side_m)
-
-
 def _embed(ctx: _Context, row: Row) -> tuple[jax.Array, Callable[..., Any]]:
     embed = ctx.ends.embed_fn
     return jax.vjp(lambda ep: embed(ep, _micro(ctx.inputs, row)), ctx.ends.embed_params)
@@ -418,7 +413,10 @@ def _forward(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, las
     if first:
         x = _pick(row, "first", _like(_embed(ctx, row)[0], zeros), x)
     p = _chunk(ctx, row)
-    y, vjp = jax.vjp(_bound(ctx.stage_fn, ctx.side, row["micro"]), p, _like(x, zeros))
+    y, vjp, aux = jax.vjp(functools.partial(ctx.chunk_fn, m=row["micro"]), p, _like(x, zeros),
+                          has_aux=True)  # fmt: skip
+    if aux is not None:  # the chunk's own loss term
+        state["loss"] = state["loss"] + _masked(row, "active", _like(aux, state["loss"]))
     leaves = jax.tree.leaves(vjp)
     assert _param_mask(leaves, p) == ctx.keep, "stage_fn's residuals differ between traces"
     stashed = [leaf for leaf, k in zip(leaves, ctx.keep, strict=True) if k < 0]
