@@ -199,10 +199,14 @@ MOE_PIPELINES = [  # the MoE decoder pipelined: all-to-alls over expert inside t
 def test_a_pipelined_moe_gpt_equals_its_twin(plan):
     """Each chunk returns its microbatch's load-balance and z-losses (over M) as the engine's
     aux loss: loss, every gradient leaf (router included) and one AdamW step equal the twin
-    that routes and balances each microbatch apart, at capacity factor 1.0."""
+    that routes and balances each microbatch apart, at capacity factor 1.0; and the contract
+    holds stage by stage (the all-to-alls and counts per F and B phase run, at a microbatch's
+    capacity)."""
     cfg = gpt.moe_config(moe.MoE(8, 2, 1.0), layers=4)
     case = run_lm.verify_case(cfg, "moe", plan, BATCH)
     assert case["ok"], case
+    report = json.loads(run_lm.inspect(cfg, plan, BATCH, as_json=True))
+    assert report["contract_ok"] and report["ratio"] == pytest.approx(1.0), report["mismatches"]
 
 
 def test_the_tied_twin_is_the_untied_one_with_the_embeddings_transpose():

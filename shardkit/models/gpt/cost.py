@@ -11,6 +11,8 @@ Per step, with b·t local tokens of width D (w = 4 bytes, float32), L layers:
               blocks of b·t·h_kv_local·k·w
   expert      per MoE layer: 4 all-to-alls of the dispatch buffer [E, C, D]; an all-reduce of
               E + 1 counts over data × expert × seq; with TP, g and f on [E/X, X·C, D]
+              (under a pipeline: per layer of each F and B phase run, at a microbatch's
+              capacity; the counts forward only)
   data, expert, seq   the gradients (the experts' own over data × seq only) and the loss, one
               op each; the gradient norm over every axis
   FSDP        every leaf has an embed dim, so every leaf is split over data: one all-gather
@@ -103,27 +105,25 @@ def expected(
         return None
     mesh = plan.mesh
     n_data, n_ep, n_seq, n_model = (mesh[a] for a in ("data", "expert", "seq", "model"))
-    b, t, layers = batch // (n_data * n_ep), cfg.tokens // n_seq, cfg.layers
+    b, t = batch // (n_data * n_ep), cfg.tokens // n_seq
     fsdp = plan.fsdp and n_data > 1
-    out = [] if cfg.experts is None else moe_terms(cfg, cfg.experts, mesh, b * t, fsdp)
+    at = mesh["stage"] - 1 if stage is None else stage
+    forward, backward = _layer_runs(cfg, plan, at)
+    tokens = b * t // plan.microbatches  # a microbatch's under a pipeline
+    out = []
+    if cfg.experts is not None:
+        out += moe_terms(cfg, cfg.experts, mesh, tokens, fsdp, (forward, backward))
     counted = _axes(mesh, ("data", "expert", "seq"))
     if cfg.documents and counted:
         n = math.prod(mesh[a] for a in counted)
         out.append(contract.all_reduce(counted, W, n, 1, "real targets' count"))
     if plan.pp != "none":
-        out += _pipeline_terms(cfg, plan, b * t, mesh["stage"] - 1 if stage is None else stage)
+        out += _pipeline_terms(cfg, plan, b * t, at)
     elif n_model > 1:
         out += _tp_terms(cfg, n_model, b * t)
     if n_seq > 1:  # K, V: n−1 hops forward and again backward; dK, dV: n hops home
         local_kv = max(cfg.kv_heads // n_model, 1)  # kv_repeat: one head per device
-        kv = b * t * local_kv * (cfg.dim // cfg.heads) * W
-        forward, backward = layers, layers  # layer runs; under a pipeline, per chunk run
-        if plan.pp != "none":
-            at = mesh["stage"] - 1 if stage is None else stage
-            runs = pipeline.chunk_runs(plan.schedule(), at)
-            per_chunk = layers // (mesh["stage"] * plan.virtual)
-            forward, backward = per_chunk * runs["F"], per_chunk * runs["B"]
-            kv //= plan.microbatches
+        kv = tokens * local_kv * (cfg.dim // cfg.heads) * W
         hops = 2 * forward * (n_seq - 1) + 2 * backward * (2 * n_seq - 1)
         out.append(contract.permute("seq", kv, hops, "K, V, dK, dV blocks of h_kv heads"))
     experts = 0 if cfg.experts is None else expert_params(cfg, cfg.experts, mesh)
@@ -146,9 +146,18 @@ def no_terms_reason(cfg: GPTConfig, plan: GPTPlan) -> str:
         else "the Ulysses core" if plan.mesh["seq"] > 1 and not ring
         else "packed documents under a ring (the segment ids' hops are XLA's choice)"
         if ring and cfg.documents
-        else "the MoE decoder under a pipeline" if plan.pp != "none" and cfg.experts
         else ""
     )  # fmt: skip
+
+
+def _layer_runs(cfg: GPTConfig, plan: GPTPlan, stage: int) -> tuple[int, int]:
+    """(forward, backward) layer runs on a device: every layer once each, or under a
+    pipeline its chunk's layers per F and B phase that ``stage`` runs (``chunk_runs``)."""
+    if plan.pp == "none":
+        return cfg.layers, cfg.layers
+    runs = pipeline.chunk_runs(plan.schedule(), stage)
+    per_chunk = cfg.layers // (plan.mesh["stage"] * plan.virtual)
+    return per_chunk * runs["F"], per_chunk * runs["B"]
 
 
 def _pipeline_terms(cfg: GPTConfig, plan: GPTPlan, tokens: int, stage: int) -> list[Term]:
@@ -169,8 +178,8 @@ def _pipeline_terms(cfg: GPTConfig, plan: GPTPlan, tokens: int, stage: int) -> l
     if n_model == 1:
         return out
     runs = pipeline.chunk_runs(plan.schedule(), stage)  # M·V each; uniform form: more
-    per_chunk = cfg.layers // (stages * plan.virtual)
-    layers = 2 * per_chunk * (runs["F"] + runs["B"])  # Megatron f, g per region per layer
+    regions = 2 if cfg.experts is None else 1  # a MoE block's MLP region is in moe_terms
+    layers = regions * sum(_layer_runs(cfg, plan, stage))  # Megatron f, g per region per layer
     out.append(
         contract.all_reduce(
             "model",
@@ -232,27 +241,37 @@ def _tp_terms(cfg: GPTConfig, n_model: int, tokens: int) -> list[Term]:
 
 
 def expert_params(cfg: GPTConfig, experts: MoE, mesh: dict[str, int]) -> int:
-    """Elements of one device's expert weights (gate, up, down of its E/X experts)."""
+    """Elements of one device's expert weights (gate, up, down of its E/X experts, in its
+    stage's layers)."""
     local = experts.experts // mesh["expert"]
-    return 3 * cfg.layers * local * cfg.dim * cfg.mlp // mesh["model"]
+    return 3 * cfg.layers // mesh["stage"] * local * cfg.dim * cfg.mlp // mesh["model"]
 
 
 def moe_terms(
-    cfg: GPTConfig, experts: MoE, mesh: dict[str, int], tokens: int, fsdp: bool = False
+    cfg: GPTConfig,
+    experts: MoE,
+    mesh: dict[str, int],
+    tokens: int,
+    fsdp: bool = False,
+    runs: tuple[int, int] | None = None,
 ) -> list[Term]:
     """A MoE block's collectives: per layer, dispatch and combine all-to-alls over expert
-    (forward and backward) of the local buffer [E, C, d], the counts' all-reduce; inside each
-    expert, TP's g and f on [E/X, X·C, d] (the same bytes); the experts' gradients synced over
-    data and seq, never over expert."""
-    n_ep, n_model, layers = mesh["expert"], mesh["model"], cfg.layers
+    (forward and backward) of the local buffer [E, C, d], the counts' all-reduce (forward);
+    inside each expert, TP's g and f on [E/X, X·C, d] (the same bytes); the experts' gradients
+    synced over data and seq, never over expert. ``runs``: (forward, backward) layer runs
+    (default: each layer once; under a pipeline ``tokens`` are a microbatch's)."""
+    n_ep, n_model = mesh["expert"], mesh["model"]
+    forward, backward = runs or (cfg.layers, cfg.layers)
     buffers = experts.experts * experts.capacity(tokens) * cfg.dim * W
     groups = _axes(mesh, ("data", "expert", "seq"))
     n_groups = math.prod(mesh[a] for a in groups)
-    out = [contract.all_to_all("expert", buffers, n_ep, 4 * layers, "dispatch, combine ×2"),
-           contract.all_reduce(groups, (experts.experts + 1) * W, n_groups, layers,
+    out = [contract.all_to_all("expert", buffers, n_ep, 2 * (forward + backward),
+                               "dispatch, combine ×2"),
+           contract.all_reduce(groups, (experts.experts + 1) * W, n_groups, forward,
                                "tokens per expert, dropped")]  # fmt: skip
     if n_model > 1:
-        out.append(contract.all_reduce("model", buffers, n_model, 2 * layers, "experts' g, f"))
+        out.append(contract.all_reduce("model", buffers, n_model, forward + backward,
+                                       "experts' g, f"))  # fmt: skip
     sync = _axes(mesh, ("seq",) if fsdp else ("data", "seq"))  # FSDP: data by reduce-scatter
     if sync:
         size = expert_params(cfg, experts, mesh) * W // (mesh["data"] if fsdp else 1)
