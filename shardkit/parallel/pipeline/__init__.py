@@ -1,16 +1,19 @@
 """Pipeline parallelism: schedules as data, their tables, and the engine that runs them.
 
-Five modules: ``schedules`` (GPipe, 1F1B, interleaved, ZB-H1 as grids of actions, and their
-uniform form), ``tables`` (a schedule compiled into static int32 tables: actions and buffer
-slots), ``split`` (a chunk's backward cut into its input-gradient and weight-gradient halves),
+Six modules: ``schedules`` (GPipe, 1F1B, interleaved, ZB-H1, ZB-V as grids of actions, and
+their uniform form), ``tables`` (a schedule compiled into static int32 tables: actions and
+buffer slots), ``split`` (a chunk's backward cut into its input-gradient and weight-gradient
+halves), ``chunk`` (how the engine calls a chunk: side inputs, an aux loss's gradient),
 ``engine`` (``pipeline_grads``: the traced scan over those tables inside ``shard_map``) and
 ``forward`` (``pipeline_forward``: the forwards alone, for inference). This package
 re-exports their public names.
 
-Model-agnostic: a chunk is any ``stage_fn(chunk_params, x) -> y`` with y typed like x; an
+Model-agnostic: a chunk is any ``stage_fn(chunk_params, x) -> y`` with y typed like x (with
+``side``: ``stage_fn(chunk_params, x, side_m)``, microbatch m's side inputs, e.g. segment ids;
+with ``aux``: it returns ``(y, aux_loss)``, a scalar added to the loss with its gradient); an
 ``Ends`` holds what comes before chunk 0 (``embed_fn(embed_params, input) -> x``) and after the
-last chunk (``loss_fn(loss_params, y, target) -> scalar``). Per device s of the ``stage`` axis
-(S devices, V chunks each: chunk v·S + s):
+last chunk (``loss_fn(loss_params, y, target) -> scalar``; ``tied`` keys read by both). Per
+device s of the ``stage`` axis (S devices, V chunks each: chunk v·S + s; ZB-V: s and 2S−1−s):
 
   stage_params[V, ...]   this device's chunks      inputs[M, ...]   per microbatch (stage 0)
   embed / loss params    replicated over stage     targets[M, ...]  per microbatch (stage S−1)
@@ -35,7 +38,7 @@ Two forms run a schedule. The branch form (the default): each tick every stage r
 action as one ``lax.switch`` branch, idle ticks compute nothing, and a collective inside a
 chunk (or the embedding, or the loss) runs only on the stages that take its branch. That is
 sound for a collective whose device groups lie within one stage (``psum``, ``all_gather``,
-``psum_scatter``, ``all_to_all`` over ``model`` or ``seq``: TP, Ulysses), not for a
+``psum_scatter``, ``all_to_all`` over ``model``, ``seq`` or ``expert``: TP, Ulysses, MoE), not for a
 ``ppermute``: XLA's collective-permute is one instruction over every device of the program,
 across all stages (measured on jax 0.10.2 CPU: wrong values or a rendezvous abort,
 ``docs/measure/permute_in_branch.py``). So when a chunk, the embedding or the loss runs a
