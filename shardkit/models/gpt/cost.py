@@ -118,7 +118,7 @@ def expected(
         n = math.prod(mesh[a] for a in counted)
         out.append(contract.all_reduce(counted, W, n, 1, "real targets' count"))
     if plan.pp != "none":
-        out += _pipeline_terms(cfg, plan, b * t, at)
+        out += _pipeline_terms(cfg, plan, b * t, at, forward + backward)
     elif n_model > 1:
         out += _tp_terms(cfg, n_model, b * t)
     if n_seq > 1:  # K, V: n−1 hops forward and again backward; dK, dV: n hops home
@@ -160,10 +160,12 @@ def _layer_runs(cfg: GPTConfig, plan: GPTPlan, stage: int) -> tuple[int, int]:
     return per_chunk * runs["F"], per_chunk * runs["B"]
 
 
-def _pipeline_terms(cfg: GPTConfig, plan: GPTPlan, tokens: int, stage: int) -> list[Term]:
+def _pipeline_terms(
+    cfg: GPTConfig, plan: GPTPlan, tokens: int, stage: int, layer_runs: int
+) -> list[Term]:
     """One stage's device under the pipeline (module docstring): the activation and cotangent
-    permutes, its layers' TP terms at M microbatches, the ends' TP terms where they run, and
-    the ends' gradients and loss summed over stage."""
+    permutes, its layers' TP terms (``layer_runs``: its F and B layer runs, ``_layer_runs``),
+    the ends' TP terms where they run, and the ends' gradients and loss summed over stage."""
     mesh, micro = plan.mesh, plan.microbatches
     stages, n_model, vocab = mesh["stage"], mesh["model"], cfg.vocab // mesh["model"]
     act = tokens // micro * cfg.dim * W
@@ -179,7 +181,7 @@ def _pipeline_terms(cfg: GPTConfig, plan: GPTPlan, tokens: int, stage: int) -> l
         return out
     runs = pipeline.chunk_runs(plan.schedule(), stage)  # M·V each; uniform form: more
     regions = 2 if cfg.experts is None else 1  # a MoE block's MLP region is in moe_terms
-    layers = regions * sum(_layer_runs(cfg, plan, stage))  # Megatron f, g per region per layer
+    layers = regions * layer_runs  # Megatron f, g per region per layer run
     out.append(
         contract.all_reduce(
             "model",

@@ -32,7 +32,7 @@ from shardkit.parallel.pipeline.tables import (
 )
 from shardkit.parallel.vma import tree_varying_axes, vary, vary_tree, varying_axes
 
-StageFn = Callable[..., jax.Array]  # (chunk_params, x[, side_m]) -> y
+StageFn = Callable[..., Any]  # (chunk_params, x[, side_m]) -> y, or (y, aux loss)
 EmbedFn = Callable[[Any, Any], jax.Array]
 LossFn = Callable[[Any, jax.Array, Any], jax.Array]
 
