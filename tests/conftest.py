@@ -5,7 +5,10 @@ inside CI's budget; ``thorough`` runs many more examples:
 ``HYPOTHESIS_PROFILE=thorough python -m pytest``.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # libtpu (the tpu extra, for inspect --target) is installed: keep every test process's own
 # backend on the CPU, and let several processes load libtpu to compile (it locks otherwise).
@@ -25,6 +28,16 @@ os.environ["XLA_FLAGS"] = " ".join(
         "--xla_backend_optimization_level=0",
     ]
 ).strip()
+
+# One persistent compilation cache per test run, shared by the xdist workers and every process
+# the tests start (they inherit the environment; the first process, xdist's controller, makes
+# the folder): the suite compiles many identical programs in different files and processes,
+# and each is compiled once per run. A fresh folder each run, so nothing outlives it.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardkit-tests-jax-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+# XLA:CPU compiles in well under the default 1 s threshold: cache every program.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax
 import pytest
