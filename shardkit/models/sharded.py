@@ -241,8 +241,8 @@ class ShardedModel:
             )
         if loss_local is None and pipeline is None:
             raise PlanError("Give loss_local (or a pipeline, whose stages compute the loss).")
-        if aux and pipeline is not None:
-            raise PlanError("aux metrics are not supported under a pipeline; give aux=False.")
+        if pipeline is not None and aux != (pipeline.metrics is not None):
+            raise PlanError("Under a pipeline, give aux=True exactly when its Stages have metrics.")
         if zero not in (1, 2, 3):
             raise PlanError(f"zero must be 1, 2 or 3 (the ZeRO level), got {zero!r}.")
         if compute_dtype not in (None, "float32", "bfloat16"):

@@ -9,6 +9,9 @@ You give the schedule (``parallel.pipeline.schedules.build``) and three function
             ``... -> (y, aux_loss)``                     with ``aux=True``: a scalar term of
             the loss (a MoE layer's balance losses, this microbatch's share), summed into
             the loss with its gradient
+            ``... -> (y, aux_loss, counts)``             and a pytree summed over every
+            chunk's forward (routing counts): give ``metrics``, ``(summed counts, this
+            device's targets) -> {name: value}``, the step's metrics beside its loss
   loss_fn   ``(head_params, y, target_m) -> share``      after the last chunk: this
             microbatch's share of the GLOBAL loss (divide by the global batch yourself, or
             give ``divisor``: ``(targets) -> the global divisor``, computed once per step
@@ -80,6 +83,7 @@ class Stages:
     axis: str = "stage"
     divisor: Callable[[Any], Array] | None = None
     aux: bool = False
+    metrics: Callable[[Any, Array], dict[str, Array]] | None = None
 
     def order(self, depth: int) -> np.ndarray:
         """order[p] = your layer stored at position p (``pipeline.layer_order``)."""
@@ -146,7 +150,7 @@ def grads_local(
         _divided(stages, targets), {k: whole[k] for k in stages.head},
         tied=tuple(k for k in stages.embed if k in stages.head),
     )  # fmt: skip
-    loss, d_chunks, d_embed, d_head = pipeline.pipeline_grads(
+    total, d_chunks, d_embed, d_head = pipeline.pipeline_grads(
         sched, stages.stage_fn, chunks(whole[stages.layers], sched.virtual), ends,
         microbatches(inputs, micro), microbatches(targets, micro), axis=stages.axis,
         side=tuple(microbatches(a, micro) for a in side) if side else None, aux=stages.aux,
@@ -157,7 +161,15 @@ def grads_local(
         parts = [d[k] for d in (d_embed, d_head) if k in d]
         d_whole[k] = parts[0] if len(parts) == 1 else jax.tree.map(lambda a, b: a + b, *parts)
     (grads,) = scatter(jax.tree.map(_typed_like, {k: d_whole[k] for k in whole}, whole))
-    return model.total_loss(loss), model.finish_grads(grads)
+    return _with_metrics(model, stages, total, targets), model.finish_grads(grads)
+
+
+def _with_metrics(model: ShardedModel, stages: Stages, total: Any, targets: Array) -> Any:
+    """The global loss, or with ``stages.metrics`` {"loss": it, **the metrics}."""
+    if stages.metrics is None:
+        return model.total_loss(total)
+    loss, summed = total
+    return {"loss": model.total_loss(loss), **stages.metrics(summed, targets)}
 
 
 def _divided(stages: Stages, targets: Array) -> Callable[..., Array]:

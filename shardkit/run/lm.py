@@ -218,8 +218,7 @@ def inspect(cfg: gpt.GPTConfig, p: gpt.GPTPlan, batch: int, *, as_json: bool = F
     inputs = model.shard_batch(*ordered(p, *sample(cfg, batch)))
     measured = ledger.measure(step, params, state, *inputs, mesh=model.mesh)
     local = sum(leaf.addressable_shards[0].data.size for leaf in jax.tree.leaves(params))
-    moe_metrics = cfg.experts is not None and p.pp == "none"  # not reported under a pipeline
-    routing = _routing(model, params, inputs) if moe_metrics else {}
+    routing = _routing(model, params, inputs) if cfg.experts is not None else {}
     expectation = gpt.expectation(cfg, p, batch, local)
     if expectation is None:
         note = f"no cost model for {gpt.no_terms_reason(cfg, p)}: measured only"

@@ -209,6 +209,35 @@ def test_a_pipelined_moe_gpt_equals_its_twin(plan):
     assert report["contract_ok"] and report["ratio"] == pytest.approx(1.0), report["mismatches"]
 
 
+@pytest.mark.parametrize("plan", MOE_PIPELINES, ids=["ZB-H1 × EP × DP", "interleaved × EP × ring"])
+def test_pipelined_routing_metrics_sum_the_microbatches(plan):
+    """Under a pipeline each chunk's routing counts are summed by the engine over its forwards:
+    tokens per expert and dropped assignments are exactly the sums of the unpipelined decoder's
+    on each microbatch alone (the same routing groups: each device's rows m·b/M ...), and the
+    dropped fraction is over the step's routed assignments."""
+    cfg = gpt.moe_config(moe.MoE(8, 2, 1.0), layers=4)
+    params, (x, y) = gpt.init(0, cfg), run_lm.ordered(plan, *run_lm.sample(cfg, BATCH))
+    piped = run_lm.build(cfg, plan, BATCH)
+    got, _ = piped.loss_and_grads(piped.shard(params), *piped.shard_batch(x, y))
+    mesh = {k: n for k, n in plan.mesh.items() if k != "stage"}
+    flat_plan = dataclasses.replace(plan, mesh=mesh, pp="none", microbatches=1, virtual=1)
+    micro = BATCH // plan.microbatches
+    flat = run_lm.build(cfg, flat_plan, micro)
+    rows = plan.mesh.get("data", 1) * plan.mesh.get("expert", 1)  # devices along the batch
+    parts = [a.reshape(rows, plan.microbatches, -1, a.shape[-1]) for a in (x, y)]
+    want = [
+        flat.loss_and_grads(flat.shard(params), *flat.shard_batch(
+            *(p[:, m].reshape(micro, -1) for p in parts)))[0]
+        for m in range(plan.microbatches)
+    ]  # fmt: skip
+    per_expert = sum(np.asarray(w["tokens_per_expert"]) for w in want)
+    dropped = sum(float(w["dropped"]) for w in want)
+    np.testing.assert_array_equal(np.asarray(got["tokens_per_expert"]), per_expert)
+    assert float(got["dropped"]) == dropped
+    assert per_expert.sum() == BATCH * cfg.tokens * 2 * cfg.layers  # every assignment, top-2
+    assert float(got["dropped_fraction"]) == pytest.approx(dropped / per_expert.sum())
+
+
 def test_the_tied_twin_is_the_untied_one_with_the_embeddings_transpose():
     tied = gpt.GPTConfig(tied=True)
     p = gpt.init(0, tied)

@@ -30,7 +30,8 @@ Per step, with b·t local tokens of width D (w = 4 bytes, float32), L layers:
               f with the cross-entropy's reductions on the last stage only, once per
               microbatch; ONE all-reduce over stage of the embedding's, the norm's and the
               head's gradients and the loss (tied: the embedding's gradient, its lookup's
-              on stage 0 plus the head's on the last, is that op's sum, no op of its own);
+              on stage 0 plus the head's on the last, is that op's sum, no op of its own;
+              MoE: the E + 1 routing counts summed over the stages' layers too);
               the gradient norm over every axis, stage too.
               A ring over seq runs the uniform form (``schedules.uniform``): every device
               runs each phase some stage runs, so the layer and ring terms count the F and B
@@ -170,12 +171,14 @@ def _pipeline_terms(
     stages, n_model, vocab = mesh["stage"], mesh["model"], cfg.vocab // mesh["model"]
     act = tokens // micro * cfg.dim * W
     sent_x, sent_dy = pipeline.tables(plan.schedule()).sent()
-    # embed, head (none when tied), norm (gathered if FSDP), the loss
-    ends = (1 if cfg.tied else 2) * vocab * cfg.dim + cfg.dim + 1
+    # embed, head (none when tied), norm (gathered if FSDP), the loss; MoE: the routing counts
+    counts = 0 if cfg.experts is None else cfg.experts.experts + 1
+    ends = (1 if cfg.tied else 2) * vocab * cfg.dim + cfg.dim + 1 + counts
     out = [
         contract.permute("stage", act, sent_x + sent_dy, "activations on, cotangents back",
                          n=stages),
-        contract.all_reduce("stage", ends * W, stages, 1, "embedding, norm, head grads + loss"),
+        contract.all_reduce("stage", ends * W, stages, 1,
+                            "embedding, norm, head grads + loss (+ routing counts)"),
     ]  # fmt: skip
     if n_model == 1:
         return out

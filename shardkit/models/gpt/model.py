@@ -23,6 +23,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import dataclasses
+import functools
 import io
 from collections.abc import Callable
 from typing import Any
@@ -356,8 +357,8 @@ def _microbatched(p: Params, x: jax.Array, cfg: GPTConfig, plan: GPTPlan, **hook
 
 # --8<-- [start:sharded]
 def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
-    """The decoder on ``mesh`` as ``plan`` says (``check_plan`` first); with experts and no
-    pipeline its step reports tokens per expert, dropped assignments and their fraction."""
+    """The decoder on ``mesh`` as ``plan`` says (``check_plan`` first); with experts its step
+    reports tokens per expert, dropped assignments and their fraction."""
     n_model, n_seq = mesh.shape["model"], mesh.shape["seq"]
     tp, sp = ("model" if n_model > 1 else None), ("seq" if n_seq > 1 else None)
     ep = "expert" if mesh.shape["expert"] > 1 else None
@@ -399,7 +400,7 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
         share = ce_sum(p, h, y) / targets(y)
         if cfg.experts is None:
             return share
-        return share + aux.sum(), _moe_metrics(cfg, counts, y.size * mesh.size // n_model)
+        return share + aux.sum(), _moe_metrics(cfg, mesh, counts.sum(0), y)
 
     def targets(y):  # the global count of real targets: every token's, or summed (documents)
         if not cfg.documents:
@@ -407,13 +408,13 @@ def sharded_gpt(mesh: Any, cfg: GPTConfig, plan: GPTPlan) -> ShardedModel:
         return jax.lax.psum(lm.valid_count(y), tuple(a for a in token_split if mesh.shape[a] > 1))
 
     embed = lambda p, x: lm.vocab_embed(x, p["embed"], tp)  # noqa: E731
-    pipeline = _stages(cfg, plan, (embed, blocks, ce_sum, targets))
+    pipeline = _stages(cfg, plan, mesh, (embed, blocks, ce_sum, targets))
     token_split, tokens = ("data", "expert", "seq"), P(("data", "expert"), "seq")
     return ShardedModel(mesh, param_axes(cfg.experts is not None, cfg.tied),
                         rules(n_model, cfg.kv_heads, plan.fsdp, pipeline is not None),
                         None if pipeline else loss_local,
                         batch_specs=(tokens,) * (4 if cfg.documents else 2),
-                        token_axes=("expert", "seq"), aux=bool(cfg.experts) and not pipeline,
+                        token_axes=("expert", "seq"), aux=bool(cfg.experts),
                         remat=plan.remat, pipeline=pipeline)  # fmt: skip
 
 
@@ -426,33 +427,39 @@ def head_of(p: Params, cfg: GPTConfig) -> jax.Array:
 
 
 def _stages(
-    cfg: GPTConfig, plan: GPTPlan, parts: tuple[Callable[..., Any], ...]
+    cfg: GPTConfig, plan: GPTPlan, mesh: Any, parts: tuple[Callable[..., Any], ...]
 ) -> staged.Stages | None:
     """The decoder cut for ``plan.pp`` from its ``parts`` (embed, blocks, the summed
-    cross-entropy, the global count of real targets): the embedding on the first stage, the
-    blocks as the chunks (packed documents: each microbatch's segment ids and positions their
-    side inputs), the final norm, head and cross-entropy on the last, divided by the global
-    count. Tied, the embedding is an end of both: its two gradients meet in the engine's
-    all-reduce over stage (``staged.Stages``)."""
+    cross-entropy, the global count of real targets): the embedding on
+    the first stage, the blocks as the chunks (packed documents: each microbatch's segment ids
+    and positions their side inputs), the final norm, head and cross-entropy on the last,
+    divided by the global count. Tied, the embedding is an end of both: its two gradients meet
+    in the engine's all-reduce over stage (``staged.Stages``). MoE: each chunk's routing
+    counts, summed by the engine over chunks and microbatches, give the step's metrics."""
     if plan.pp == "none":
         return None
     embed, blocks, ce_sum, targets = parts
 
-    def chunk(c, h, side=()):  # MoE: (h, this microbatch's aux losses over M)
-        h, (aux, _) = blocks(h, c, *side)
-        return h if cfg.experts is None else (h, aux.sum() / plan.microbatches)
+    def chunk(c, h, side=()):  # MoE: (h, this microbatch's aux losses over M, its counts)
+        h, (aux, counts) = blocks(h, c, *side)
+        return h if cfg.experts is None else (h, aux.sum() / plan.microbatches, counts.sum(0))
 
+    moe = cfg.experts is not None
     return staged.Stages(
         plan.schedule(), embed, chunk, ce_sum, "blocks", embed=("embed",),
-        head=("norm", "embed" if cfg.tied else "head"), divisor=targets,
-        aux=cfg.experts is not None,
+        head=("norm", "embed" if cfg.tied else "head"), divisor=targets, aux=moe,
+        metrics=functools.partial(_moe_metrics, cfg, mesh) if moe else None,
     )  # fmt: skip
 
 
-def _moe_metrics(cfg: GPTConfig, counts: jax.Array, tokens: int) -> dict[str, jax.Array]:
+def _moe_metrics(
+    cfg: GPTConfig, mesh: Any, counts: jax.Array, y: jax.Array
+) -> dict[str, jax.Array]:
     """Tokens per expert, dropped assignments and their fraction of the routed ones, from the
-    per-layer counts [layers, E + 1] (global: the same on every device)."""
-    per_expert, dropped = counts[:, :-1].sum(0), counts[:, -1].sum()
+    counts [E + 1] summed over the layers (global: the same on every device) and this
+    device's targets y (their global count: the routed tokens)."""
+    per_expert, dropped = counts[:-1], counts[-1]
+    tokens = y.size * mesh.shape["data"] * mesh.shape["expert"] * mesh.shape["seq"]
     routed = tokens * (cfg.experts.top_k if cfg.experts else 0) * cfg.layers
     return {"tokens_per_expert": per_expert, "dropped": dropped,
             "dropped_fraction": dropped / routed}  # fmt: skip

@@ -1,7 +1,9 @@
 """How the engine calls a user's chunk (``pipeline_grads``'s ``stage_fn``): ``bound`` gives it
 its microbatch's side inputs and, when it returns an aux loss, makes B's vjp of y alone carry
 that loss's gradient (``_aux_gradient``: identity forward, a cotangent of 1 to the aux loss
-backward), so the stash, the split backward and the masked phases need nothing new.
+backward), so the stash, the split backward and the masked phases need nothing new. A chunk
+may also return metrics (``(y, aux_loss, metrics)``: a MoE layer's routing counts), which the
+engine sums over every forward it runs and carries no gradient for.
 """
 
 from __future__ import annotations
@@ -16,18 +18,21 @@ from shardkit.parallel.vma import vary, varying_axes
 
 
 def bound(stage_fn: Callable[..., Any], side: Any, micro: Any, aux: bool) -> Callable[..., Any]:
-    """The chunk as ``(chunk_params, x[, micro]) -> (y, aux loss or None)``, for ``jax.vjp``
-    with ``has_aux``: with side inputs, microbatch ``micro``'s (given now, or per call when
-    None); with an aux loss, y carries its gradient (``_aux_gradient``)."""
+    """The chunk as ``(chunk_params, x[, micro]) -> (y, (aux loss, metrics or None) or None)``,
+    for ``jax.vjp`` with ``has_aux``: with side inputs, microbatch ``micro``'s (given now, or
+    per call when None); with an aux loss, y carries its gradient (``_aux_gradient``), and the
+    metrics none (``stop_gradient``)."""
 
     def chunk(p: Any, x: jax.Array, m: Any = micro) -> tuple[jax.Array, Any]:
         side_m = () if side is None else (jax.tree.map(lambda a: a[m], side),)
         out = stage_fn(p, x, *side_m)
         if not aux:
             return out, None
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise ValueError("With aux=True, stage_fn must return (y, aux_loss).")
-        return _aux_gradient(*out), out[1]
+        if not (isinstance(out, tuple) and len(out) in (2, 3)):
+            raise ValueError("With aux=True, stage_fn must return (y, aux_loss[, metrics]).")
+        y, aux_loss, *rest = out
+        metrics = jax.lax.stop_gradient(rest[0]) if rest else None
+        return _aux_gradient(y, aux_loss), (aux_loss, metrics)
 
     return chunk
 

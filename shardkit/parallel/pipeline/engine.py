@@ -30,9 +30,20 @@ from shardkit.parallel.pipeline.tables import (
     branch_parts,
     tables,
 )
+from shardkit.parallel.pipeline.writes import (
+    Row,
+    Writes,
+    apply,
+    buffer,
+    like,
+    no_writes,
+    store,
+    typed,
+    zeros_over,
+)
 from shardkit.parallel.vma import tree_varying_axes, vary, vary_tree, varying_axes
 
-StageFn = Callable[..., Any]  # (chunk_params, x[, side_m]) -> y, or (y, aux loss)
+StageFn = Callable[..., Any]  # (chunk_params, x[, side_m]) -> y, or (y, aux loss[, metrics])
 EmbedFn = Callable[[Any, Any], jax.Array]
 LossFn = Callable[[Any, jax.Array, Any], jax.Array]
 
@@ -69,53 +80,61 @@ def pipeline_grads(
     axis: str = "stage",
     poison: bool = False,
     uniform: bool | None = None,
-) -> tuple[jax.Array, Any, Any, Any]:
+) -> tuple[Any, Any, Any, Any]:
     """Runs ``schedule`` forward and backward; call inside ``shard_map`` over ``axis``.
 
     Args:
       schedule: from ``schedules.build``; its S must equal the size of ``axis``.
-      stage_fn: ``(chunk_params, x[, side_m]) -> y`` typed like x; with ``aux``, ``(y, aux)``:
-        a scalar loss term (MoE balance losses) summed into the loss, with its gradient.
+      stage_fn: ``(chunk_params, x[, side_m]) -> y`` typed like x; with ``aux``, ``(y, aux[,
+        metrics])``: a scalar loss term (MoE balance losses) summed into the loss with its
+        gradient, and a pytree (routing counts) summed over every forward, without one.
       stage_params: this device's V chunks, every leaf stacked [V, ...].
       ends: the embedding before chunk 0 and the loss after the last chunk.
       inputs: pytree of [M, ...]: ``embed_fn``'s input per microbatch (read on stage 0).
       targets: pytree of [M, ...]: ``loss_fn``'s target per microbatch (read on stage S−1).
       side: pytree of [M, ...] or None: per-microbatch inputs of every chunk (segment ids).
       axis: the pipeline's mesh axis.
-      poison: start the stash, the inboxes and the receive buffers at NaN instead of zeros
-        (a test: finite, equal gradients prove that no unwritten slot is ever read, or, in
-        the uniform form, that what a stage computes masked never reaches a result).
+      poison: start the stash, the inboxes and the receive buffers at NaN, not zeros (a test:
+        finite, equal gradients prove that no unwritten slot is ever read, or, in the uniform
+        form, that what a stage computes masked never reaches a result).
       uniform: run the uniform form (``schedules.uniform``: the same phases on every stage,
         masked where a stage has no action) instead of per-stage branches. None: uniform
         exactly when the chunk, the embedding or the loss runs a ``ppermute``, which the
         branch form cannot run; False with such a function is refused.
 
     Returns:
-      (loss, d_stage_params, d_embed_params, d_loss_params): Σ_m loss and its gradients: for
-      this device's chunks [V, ...] (varying over ``axis``), for the embedding and the loss
-      params (invariant over ``axis``; a tied key's in the embedding's only), each a partial
-      sum over the inputs' other axes (``data``): sync them as any data-parallel gradient.
+      (loss, d_stage_params, d_embed_params, d_loss_params): Σ_m loss (with metrics: (Σ_m
+      loss, Σ metrics)) and its gradients: for this device's chunks [V, ...] (varying over
+      ``axis``), for the embedding and the loss params (invariant over ``axis``; a tied key's
+      in the embedding's only), each a partial sum over the inputs' other axes (``data``).
     """
     _check_shapes(schedule, stage_params, (inputs, side), targets, axis)
     act_axes = tree_varying_axes(inputs) | {axis}
     stage_params, ends, x0, side = _typed_for_branches(stage_params, ends, inputs, side, act_axes)
     chunk0, first_fn = jax.tree.map(lambda a: a[0], stage_params), bound(stage_fn, side, 0, aux)
-    y0, proto, aux0 = jax.vjp(first_fn, chunk0, x0, has_aux=True)
-    _check_stage_fn(x0, y0, aux0)
+    y0, proto, metrics = _first_chunk(first_fn, chunk0, x0, axis)
     firsts = (jax.tree.map(lambda a: a[0], inputs), jax.tree.map(lambda a: a[0], targets))
     schedule = _form(schedule, _model_permutes(first_fn, ends, chunk0, x0, y0, firsts), uniform)
     leaves, vjp_def = jax.tree.flatten(proto)
-    keep = _param_mask(leaves, chunk0)
-    tab = tables(schedule)
+    keep, tab = _param_mask(leaves, chunk0), tables(schedule)
     fill = np.nan if poison else 0.0
-    state = _initial_state(tab, stage_params, ends, x0, act_axes, (leaves, keep), fill)
+    state = _initial_state(tab, stage_params, ends, x0, act_axes, (leaves, keep), fill, metrics)
     split = _split_backward(schedule, vjp_def, leaves, y0, tab, state, (act_axes, fill))
     chunk_fn, stage = bound(stage_fn, side, None, aux), jax.lax.axis_index(axis)
     ctx = _Context(schedule, chunk_fn, stage_params, ends, inputs, targets, axis, stage,
                    vjp_def, keep, split, tab.x_pairs, tab.dy_pairs)  # fmt: skip
     state = _run_segments(ctx, tab, state)
-    loss, embed_grads, loss_grads = jax.lax.psum((state["loss"], *_ends_grads(ends, state)), axis)
-    return loss, state["grads"], embed_grads, loss_grads
+    totals = (state["loss"], state["metrics"], *_ends_grads(ends, state))
+    loss, metrics, embed_grads, loss_grads = jax.lax.psum(totals, axis)  # one all-reduce
+    return loss if metrics is None else (loss, metrics), state["grads"], embed_grads, loss_grads
+
+
+def _first_chunk(first_fn: Callable[..., Any], chunk0: Any, x0: jax.Array, axis: str) -> Any:
+    """(y0, the vjp, the metrics' zeros or None) of the first chunk on the first microbatch,
+    checked (``_check_stage_fn``); the metrics' zeros typed varying over ``axis`` too."""
+    y0, proto, aux0 = jax.vjp(first_fn, chunk0, x0, has_aux=True)
+    _check_stage_fn(x0, y0, aux0)
+    return y0, proto, None if aux0 is None else zeros_over(aux0[1], frozenset({axis}))
 
 
 def _ends_grads(ends: Ends, state: dict[str, Any]) -> tuple[Any, Any]:
@@ -137,10 +156,10 @@ def _split_backward(
     if not schedule.split:
         return None
     act_axes, fill = buffers
-    dy0 = _like(y0, state["dy_box"])
+    dy0 = like(y0, state["dy_box"])
     split = SplitBackward(lambda res, dy: jax.tree.unflatten(vjp_def, res)(dy), leaves, dy0)
     dx0, cut0 = split.input_grad(leaves, dy0)
-    state["w_stash"] = [_buffer(tab.w_slots, vary(a, act_axes), fill) for a in [*cut0, dx0]]
+    state["w_stash"] = [buffer(tab.w_slots, vary(a, act_axes), fill) for a in [*cut0, dx0]]
     return split
 
 
@@ -207,8 +226,8 @@ def _typed_for_branches(
 def _check_stage_fn(x0: jax.Array, y0: jax.Array, aux0: Any) -> None:
     """ValueError (one sentence) unless ``stage_fn`` maps x to a y of x's shape and type (and
     a scalar aux loss, if it returns one)."""
-    if aux0 is not None and jnp.shape(aux0) != ():
-        raise ValueError(f"stage_fn's aux loss must be a scalar, got shape {jnp.shape(aux0)}.")
+    if aux0 is not None and jnp.shape(aux0[0]) != ():
+        raise ValueError(f"stage_fn's aux loss must be a scalar, got shape {jnp.shape(aux0[0])}.")
     if varying_axes(y0) != varying_axes(x0) or y0.shape != x0.shape or y0.dtype != x0.dtype:
         raise ValueError(
             f"stage_fn must map x {x0.dtype}{list(x0.shape)} varying over "
@@ -219,9 +238,10 @@ def _check_stage_fn(x0: jax.Array, y0: jax.Array, aux0: Any) -> None:
 
 def _initial_state(
     tab: Tables, stage_params: Any, ends: Ends, x0: jax.Array, act_axes: frozenset[str],
-    residuals: tuple[list[Any], tuple[int, ...]], fill: float,
+    residuals: tuple[list[Any], tuple[int, ...]], fill: float, metrics: Any,
 ) -> dict[str, Any]:  # fmt: skip
-    """The scan carry: stash and inboxes filled with ``fill``, gradients and loss at zero.
+    """The scan carry: stash and inboxes filled with ``fill``, gradients and loss at zero,
+    and ``metrics`` (the chunk's metrics' zeros, or None).
 
     The loss and the stash vary over ``act_axes`` (the inputs' axes and the stage), not over
     x0's: an activation may vary over more (Megatron-SP's tokens over ``model``) while the
@@ -233,13 +253,14 @@ def _initial_state(
     # index, so even one traced invariant, a mask, comes out varying there).
     stashed = [a for a, k in zip(leaves, keep, strict=True) if k < 0]
     return dict(
-        stash=[_buffer(tab.stash_slots, vary(a, act_axes), fill) for a in stashed],
-        x_box=_buffer(tab.x_slots, act, fill),
-        dy_box=_buffer(tab.dy_slots, act, fill),
+        stash=[buffer(tab.stash_slots, vary(a, act_axes), fill) for a in stashed],
+        x_box=buffer(tab.x_slots, act, fill),
+        dy_box=buffer(tab.dy_slots, act, fill),
         grads=jax.tree.map(jnp.zeros_like, stage_params),
         embed_grads=jax.tree.map(jnp.zeros_like, ends.embed_params),
         loss_grads=jax.tree.map(jnp.zeros_like, ends.loss_params),
         loss=vary(jnp.zeros((), jnp.float32), act_axes),
+        metrics=metrics,
         recv_x=[act] * len(tab.x_pairs),  # what each permute delivered, stored next tick
         recv_dy=[act] * len(tab.dy_pairs),
     )
@@ -289,20 +310,23 @@ class _Context:
 def _tick_body(ctx: _Context, send_x: bool, send_dy: bool, used: list[int]) -> Callable[..., Any]:
     """One tick: store what arrived, run the branch (among ``used``, by ``branch_index``),
     send."""
-    branches = [_idle] + [
-        functools.partial(fn, first=first, last=last)
+    kinds = frozenset(int(branch_parts(b)[0]) for b in used if b != IDLE)
+    every: list[Callable[..., Branch]] = [functools.partial(_idle, kinds=kinds)]
+    every += [
+        functools.partial(fn, first=first, last=last, kinds=kinds)
         for fn in (_forward, _backward, _weights)
         for first in (False, True)
         for last in (False, True)
     ]
-    branches = [_scoped(branches[i], i) for i in used]
+    branches = [_scoped(every[i], i) for i in used]
 
     def body(state: dict[str, Any], rows: dict[str, jax.Array]) -> tuple[dict[str, Any], None]:
         row = {k: v[ctx.stage] for k, v in rows.items()}
         state = _arrivals(state, row)
-        state, out_x, out_dy = jax.lax.switch(
+        writes, out_x, out_dy = jax.lax.switch(
             row["branch"], [functools.partial(b, ctx) for b in branches], state, row
         )
+        state = apply(state, writes)
         return _send(ctx, state, (out_x, send_x), (out_dy, send_dy)), None
 
     return body
@@ -313,7 +337,7 @@ def _arrivals(state: dict[str, Any], row: Row) -> dict[str, Any]:
     state = dict(state)
     for box, recv, arrive in (("x_box", "recv_x", "x_arrive"), ("dy_box", "recv_dy", "dy_arrive")):
         for k, value in enumerate(state[recv]):
-            state[box] = _store(state[box], row[arrive][k], value)
+            state[box] = store(state[box], row[arrive][k], value)
     return state
 
 
@@ -343,11 +367,15 @@ def _uniform_segment(
     position = np.stack([np.searchsorted(u, variants[:, p]) for p, u in enumerate(used)], 1)
     fns = (_forward, _backward, _weights)
 
-    def branch(b: int) -> Callable[..., Branch]:
+    def branch(b: int, kinds: frozenset[int]) -> Callable[..., Branch]:
         kind, first, last = branch_parts(b)
-        return _scoped(functools.partial(fns[kind], first=first, last=last), b)
+        return _scoped(functools.partial(fns[kind], first=first, last=last, kinds=kinds), b)
 
-    phases = [[_idle] + [branch(b) for b in u[1:]] for u in used]
+    def phase(u: list[int]) -> list[Callable[..., Branch]]:
+        kinds = frozenset(int(branch_parts(b)[0]) for b in u[1:])
+        return [functools.partial(_idle, kinds=kinds)] + [branch(b, kinds) for b in u[1:]]
+
+    phases = [phase(u) for u in used]
 
     def body(state: dict[str, Any], xs: dict[str, Any]) -> tuple[dict[str, Any], None]:
         state = _arrivals(state, {k: v[0, ctx.stage] for k, v in xs["rows"].items()})
@@ -355,7 +383,8 @@ def _uniform_segment(
         for p, kind in enumerate(ctx.schedule.phases):
             row = _stage_masks({k: v[p, ctx.stage] for k, v in xs["rows"].items()})
             branches = [functools.partial(b, ctx) for b in phases[p]]
-            state, out_x, out_dy = jax.lax.switch(xs["position"][p], branches, state, row)
+            writes, out_x, out_dy = jax.lax.switch(xs["position"][p], branches, state, row)
+            state = apply(state, writes)
             out[kind] = out_x if kind == "F" else out_dy
         return _send(ctx, state, (out["F"], send_x), (out["B"], send_dy)), None
 
@@ -383,13 +412,12 @@ def _pick(row: Row, flag: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return a if flag not in row else jnp.where(row[flag], a, b)
 
 
-Branch = tuple[dict[str, Any], jax.Array, jax.Array]
-Row = dict[str, jax.Array]
+Branch = tuple[Writes, jax.Array, jax.Array]
 
 
-def _idle(ctx: _Context, state: dict[str, Any], row: Row) -> Branch:
+def _idle(ctx: _Context, state: dict[str, Any], row: Row, *, kinds: frozenset[int]) -> Branch:
     zeros = _zeros(state)
-    return state, zeros, zeros
+    return no_writes(state, row, kinds), zeros, zeros
 
 
 def _chunk(ctx: _Context, row: Row) -> Any:
@@ -405,37 +433,45 @@ def _embed(ctx: _Context, row: Row) -> tuple[jax.Array, Callable[..., Any]]:
     return jax.vjp(lambda ep: embed(ep, _micro(ctx.inputs, row)), ctx.ends.embed_params)
 
 
-def _forward(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, last: bool) -> Branch:
+def _forward(
+    ctx: _Context,
+    state: dict[str, Any],
+    row: Row,
+    *,
+    first: bool,
+    last: bool,
+    kinds: frozenset[int],
+) -> Branch:
     """F: the chunk's forward; its vjp residuals stashed; y sent on, or the loss taken."""
-    state = dict(state)
-    zeros = _zeros(state)
+    writes, zeros = no_writes(state, row, kinds), _zeros(state)
     x = state["x_box"][jnp.maximum(row["x_in"], 0)]
     if first:
-        x = _pick(row, "first", _like(_embed(ctx, row)[0], zeros), x)
+        x = _pick(row, "first", like(_embed(ctx, row)[0], zeros), x)
     p = _chunk(ctx, row)
-    y, vjp, aux = jax.vjp(functools.partial(ctx.chunk_fn, m=row["micro"]), p, _like(x, zeros),
+    y, vjp, aux = jax.vjp(functools.partial(ctx.chunk_fn, m=row["micro"]), p, like(x, zeros),
                           has_aux=True)  # fmt: skip
-    if aux is not None:  # the chunk's own loss term
-        state["loss"] = state["loss"] + _masked(row, "active", _like(aux, state["loss"]))
+    if aux is not None:  # the chunk's own loss term, and its metrics
+        aux_loss, metrics = aux
+        writes["loss"] = _masked(row, "active", like(aux_loss, state["loss"]))
+        if metrics is not None:
+            writes["metrics"] = typed(_masked(row, "active", metrics), state["metrics"])
     leaves = jax.tree.leaves(vjp)
     assert _param_mask(leaves, p) == ctx.keep, "stage_fn's residuals differ between traces"
     stashed = [leaf for leaf, k in zip(leaves, ctx.keep, strict=True) if k < 0]
-    state["stash"] = [
-        _store(b, row["stash"], leaf) for b, leaf in zip(state["stash"], stashed, strict=True)
-    ]
+    writes["stash"] = (row["stash"], typed(stashed, [b[0] for b in state["stash"]]))
     if "x_local" in row:  # ZBV's turn: the next chunk is on this stage
-        state["x_box"] = _store(state["x_box"], row["x_local"], y)
+        writes["x_box"] = (row["x_local"], [like(y, zeros)])
     if not last:
-        return state, _like(y, zeros), zeros
+        return writes, like(y, zeros), zeros
     loss_fn = ctx.ends.loss_fn
     loss, (d_loss_params, dy) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
         ctx.ends.loss_params, y, _micro(ctx.targets, row)
     )
-    loss = _masked(row, "last", _like(loss.astype(jnp.float32), state["loss"]))
-    state["loss"] = state["loss"] + loss
-    state["loss_grads"] = _add(state["loss_grads"], _masked(row, "last", d_loss_params))
-    state["dy_box"] = _store(state["dy_box"], _pick(row, "last", row["dy_in"], jnp.int32(-1)), dy)
-    return state, _pick(row, "last", zeros, _like(y, zeros)), zeros
+    loss = _masked(row, "last", like(loss.astype(jnp.float32), state["loss"]))
+    writes["loss"] = writes["loss"] + loss
+    writes["loss_grads"] = typed(_masked(row, "last", d_loss_params), state["loss_grads"])
+    writes["dy_box"] = (_pick(row, "last", row["dy_in"], jnp.int32(-1)), [like(dy, zeros)])
+    return writes, _pick(row, "last", zeros, like(y, zeros)), zeros
 
 
 def _vjp_leaves(ctx: _Context, state: dict[str, Any], row: Row) -> list[Any]:
@@ -445,55 +481,64 @@ def _vjp_leaves(ctx: _Context, state: dict[str, Any], row: Row) -> list[Any]:
     return [next(stored) if k < 0 else params[k] for k in ctx.keep]
 
 
-def _backward(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, last: bool) -> Branch:
+def _backward(
+    ctx: _Context,
+    state: dict[str, Any],
+    row: Row,
+    *,
+    first: bool,
+    last: bool,
+    kinds: frozenset[int],
+) -> Branch:
     """B: the input gradient sent back (chunk 0: into the embedding). Unsplit schedules take
     the weight gradient here too; split ones run only the backward's input-gradient half and
     stash what W needs (``split.SplitBackward``)."""
-    state = dict(state)
-    zeros = _zeros(state)
+    writes, zeros = no_writes(state, row, kinds), _zeros(state)
     dy = state["dy_box"][jnp.maximum(row["dy_in"], 0)]
     leaves = _vjp_leaves(ctx, state, row)
     if ctx.split is None:
         dp, dx = jax.tree.unflatten(ctx.vjp_def, leaves)(dy)
-        state = _weight_grads(ctx, state, row, dp, dx, first=first)
+        writes = _weight_grads(ctx, state, row, writes, (dp, dx), first=first)
     else:
         dx, cut = ctx.split.input_grad(leaves, dy)
-        state["w_stash"] = [
-            _store(buf, row["w_stash"], value)
-            for buf, value in zip(state["w_stash"], [*cut, dx], strict=True)
-        ]
-    dx_out = _like(dx, zeros)
+        writes["w_stash"] = (row["w_stash"], typed([*cut, dx], [b[0] for b in state["w_stash"]]))
+    dx_out = like(dx, zeros)
     if "dy_local" in row:  # ZBV's turn: the previous chunk is on this stage
-        state["dy_box"] = _store(state["dy_box"], row["dy_local"], dx_out)
-    return state, zeros, _pick(row, "first", zeros, dx_out) if first else dx_out
+        writes["dy_box"] = (row["dy_local"], [dx_out])
+    return writes, zeros, _pick(row, "first", zeros, dx_out) if first else dx_out
 
 
-def _weights(ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, last: bool) -> Branch:
+def _weights(
+    ctx: _Context,
+    state: dict[str, Any],
+    row: Row,
+    *,
+    first: bool,
+    last: bool,
+    kinds: frozenset[int],
+) -> Branch:
     """W (split schedules): the weight gradient of a chunk whose B already ran, from B's cut."""
     assert ctx.split is not None
-    state = dict(state)
     zeros = _zeros(state)
     dy = state["dy_box"][jnp.maximum(row["dy_in"], 0)]
     *cut, dx = (buf[jnp.maximum(row["w_stash"], 0)] for buf in state["w_stash"])
     dp = ctx.split.weight_grad(_vjp_leaves(ctx, state, row), dy, cut=cut)
-    return _weight_grads(ctx, state, row, dp, dx, first=first), zeros, zeros
+    writes = _weight_grads(ctx, state, row, no_writes(state, row, kinds), (dp, dx), first=first)
+    return writes, zeros, zeros
 
 
 def _weight_grads(
-    ctx: _Context, state: dict[str, Any], row: Row, dp: Any, dx: jax.Array, *, first: bool
-) -> dict[str, Any]:
-    """state with the chunk's weight gradient ``dp`` added (chunk 0: and the embedding's, by
-    its vjp re-run on this microbatch's input, applied to ``dx``)."""
-    state = dict(state)
-    state["grads"] = jax.tree.map(
-        lambda acc, g: acc.at[row["virtual"]].add(_like(g, acc)),
-        state["grads"],
-        _masked(row, "active", dp),
-    )
+    ctx: _Context, state: dict[str, Any], row: Row, writes: Writes, grads: Any, *, first: bool
+) -> Writes:
+    """``writes`` with the chunk's weight gradient added (``grads``: dp, dx; chunk 0: the
+    embedding's too, by its vjp re-run on this microbatch's input, applied to dx)."""
+    dp, dx = grads
+    per_chunk = jax.tree.map(lambda a: a[0], state["grads"])
+    writes = dict(writes, grads=(row["virtual"], typed(_masked(row, "active", dp), per_chunk)))
     if first:
-        (d_embed,) = _embed(ctx, row)[1](_like(dx, state["x_box"]))
-        state["embed_grads"] = _add(state["embed_grads"], _masked(row, "first", d_embed))
-    return state
+        (d_embed,) = _embed(ctx, row)[1](like(dx, state["x_box"]))
+        writes["embed_grads"] = typed(_masked(row, "first", d_embed), state["embed_grads"])
+    return writes
 
 
 def _scoped(branch: Callable[..., Branch], index: int) -> Callable[..., Branch]:
@@ -531,28 +576,6 @@ def _permute_axes(jaxpr: Any) -> set[str]:
 def _zeros(state: dict[str, Any]) -> jax.Array:
     """An activation of zeros, typed as the inbox's."""
     return jnp.zeros_like(state["x_box"][0])
-
-
-def _add(acc: Any, grads: Any) -> Any:
-    return jax.tree.map(lambda a, g: a + _like(g, a), acc, grads)
-
-
-def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
-    """buffer with ``value`` at ``slot``; unchanged where slot < 0."""
-    index = jnp.maximum(slot, 0)
-    value = jnp.where(slot >= 0, _like(value, buffer), buffer[index])
-    return jax.lax.dynamic_update_index_in_dim(buffer, value, index, 0)
-
-
-def _like(x: jax.Array, ref: jax.Array) -> jax.Array:
-    """x cast to ref's dtype and typed varying over (at least) ref's axes."""
-    return vary(x.astype(ref.dtype), varying_axes(ref))
-
-
-def _buffer(slots: int, like: jax.Array, fill: float) -> jax.Array:
-    """[slots, *like.shape] of ``fill`` (integer residuals: 0), typed like ``like``."""
-    value = fill if jnp.issubdtype(like.dtype, jnp.floating) else 0
-    return vary(jnp.full((slots, *like.shape), value, like.dtype), varying_axes(like))
 
 
 def _param_mask(leaves: list[Any], params: Any) -> tuple[int, ...]:

@@ -17,17 +17,15 @@ from shardkit.parallel.pipeline.engine import (
     EmbedFn,
     Row,
     StageFn,
-    _buffer,
     _check_shapes,
-    _like,
     _micro,
     _permute_axes_of,
     _pick,
     _stage_masks,
-    _store,
 )
 from shardkit.parallel.pipeline.schedules import Schedule
 from shardkit.parallel.pipeline.tables import forward_tables, merged_branch
+from shardkit.parallel.pipeline.writes import buffer, like, store
 from shardkit.parallel.vma import tree_varying_axes, vary, vary_tree
 
 
@@ -64,8 +62,8 @@ def pipeline_forward(
     out0 = head_fn(head_params, stage_fn(chunk0, x0))
     act = jnp.zeros_like(x0)
     state = dict(
-        x_box=_buffer(tab.x_slots, act, 0.0),
-        out=_buffer(schedule.micro, vary(out0, act_axes), 0.0),
+        x_box=buffer(tab.x_slots, act, 0.0),
+        out=buffer(schedule.micro, vary(out0, act_axes), 0.0),
         recv=[act] * len(tab.x_pairs),  # what each permute delivered, stored next tick
     )
     stage = jax.lax.axis_index(axis)
@@ -92,12 +90,14 @@ def _tick(
         row = {k: v[stage] for k, v in xs["rows"].items()}
         state = dict(state)
         for k, value in enumerate(state["recv"]):
-            state["x_box"] = _store(state["x_box"], row["x_arrive"][k], value)
+            state["x_box"] = store(state["x_box"], row["x_arrive"][k], value)
         if uniform:
             row, index = _stage_masks(row), xs["variant"]
         else:
             index = row["branch"]
-        state, out = jax.lax.switch(index, branches, state, row)
+        writes, out = jax.lax.switch(index, branches, state, row)
+        for box, (slot, value) in writes.items():  # outside the switch: no whole-buffer copy
+            state[box] = store(state[box], slot, value)
         state["recv"] = [jax.lax.ppermute(out, axis, p) if send else act for p in pairs]
         return state, None
 
@@ -113,25 +113,30 @@ def _forward_variants(branch: np.ndarray) -> np.ndarray:
 def _forward_branches(
     stage_fn: StageFn, stage_params: Any, ends: tuple[Any, ...], inputs: Any, act: jax.Array
 ) -> list[Callable[..., tuple[Any, jax.Array]]]:
-    """``pipeline_forward``'s switch: idle, then F for each (first chunk, last chunk)."""
+    """``pipeline_forward``'s switch: idle, then F for each (first chunk, last chunk); each
+    returns its stores ({buffer: (slot, value)}, slot −1: none) and what it sends, not the
+    updated buffers (which ``lax.switch`` would copy whole every tick)."""
     embed_fn, embed_params, head_fn, head_params = ends
 
+    def nothing(state: dict[str, Any], row: Row) -> dict[str, Any]:
+        boxes = ("x_box", "out") if "x_local" in row else ("out",)
+        return {b: (jnp.full_like(row["micro"], -1), jnp.zeros_like(state[b][0])) for b in boxes}
+
     def forward(first: bool, last: bool, state: dict[str, Any], row: Row) -> tuple[Any, Any]:
-        state = dict(state)
+        writes = nothing(state, row)
         chunk = jax.tree.map(lambda a: a[row["virtual"]], stage_params)
         x = state["x_box"][jnp.maximum(row["x_in"], 0)]
         if first:
-            x = _pick(row, "first", _like(embed_fn(embed_params, _micro(inputs, row)), act), x)
+            x = _pick(row, "first", like(embed_fn(embed_params, _micro(inputs, row)), act), x)
         y = stage_fn(chunk, x)
         if "x_local" in row:  # ZBV's turn: the next chunk is on this stage
-            state["x_box"] = _store(state["x_box"], row["x_local"], _like(y, act))
+            writes["x_box"] = (row["x_local"], like(y, act))
         if not last:
-            return state, _like(y, act)
-        out = _like(head_fn(head_params, y), state["out"])
-        out = _pick(row, "last", out, state["out"][row["micro"]])
-        state["out"] = jax.lax.dynamic_update_index_in_dim(state["out"], out, row["micro"], 0)
-        return state, _pick(row, "last", act, _like(y, act))
+            return writes, like(y, act)
+        out = like(head_fn(head_params, y), state["out"])
+        writes["out"] = (_pick(row, "last", row["micro"], jnp.int32(-1)), out)
+        return writes, _pick(row, "last", act, like(y, act))
 
-    return [lambda state, row: (state, act)] + [
+    return [lambda state, row: (nothing(state, row), act)] + [
         functools.partial(forward, first, last) for first in (False, True) for last in (False, True)
     ]
