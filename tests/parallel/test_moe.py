@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import types
 from pathlib import Path
 
 import jax
@@ -273,14 +274,15 @@ def test_capacity_rule():
 
 def test_plan_errors_name_the_expert_axis():
     """The ViT has no experts: an expert axis is a PlanError; aux metrics under a pipeline
-    too; a dispatch that does not exist is a ValueError."""
+    whose stages report none too; a dispatch that does not exist is a ValueError."""
     import vit_ref
 
     with pytest.raises(shardkit.PlanError, match="the ViT has no experts to split over expert=2"):
         shardkit.check_plan(vit_ref.variant("mu"), shardkit.Plan({"expert": 2}))
     mesh = shardkit.make_mesh({"stage": 2})
-    with pytest.raises(shardkit.PlanError, match="aux metrics are not supported under a pipeline"):
-        ShardedModel(mesh, {}, {}, pipeline=object(), aux=True)
+    stages = types.SimpleNamespace(metrics=None)  # a pipeline without a metrics function
+    with pytest.raises(shardkit.PlanError, match="give aux=True exactly when its Stages have"):
+        ShardedModel(mesh, {}, {}, pipeline=stages, aux=True)
     h, p = jnp.zeros((1, 4, D)), init()["moe"]
     with pytest.raises(ValueError, match="dispatch_by must be one of"):
         moe.moe_layer(h, p, moe.MoE(E), dispatch_by="ragged")

@@ -3,7 +3,9 @@
 The model-agnostic contract, the tick actions and the buffer rules are the package docstring's
 (``shardkit.parallel.pipeline``). ``pipeline_grads`` scans ``tables.tables(schedule)``
 segment by segment; each tick runs one ``lax.switch`` branch per stage (F, B or W, first /
-last chunk variants, idle) and one ``ppermute`` per direction the segment sends in.
+last chunk variants, idle), which reads the buffers and returns its writes (``writes``:
+applied after the switch, so that no buffer is copied whole each tick), and one ``ppermute``
+per direction the segment sends in.
 ``pipeline_forward`` does the same for the forwards alone.
 """
 
@@ -434,14 +436,9 @@ def _embed(ctx: _Context, row: Row) -> tuple[jax.Array, Callable[..., Any]]:
 
 
 def _forward(
-    ctx: _Context,
-    state: dict[str, Any],
-    row: Row,
-    *,
-    first: bool,
-    last: bool,
+    ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, last: bool,
     kinds: frozenset[int],
-) -> Branch:
+) -> Branch:  # fmt: skip
     """F: the chunk's forward; its vjp residuals stashed; y sent on, or the loss taken."""
     writes, zeros = no_writes(state, row, kinds), _zeros(state)
     x = state["x_box"][jnp.maximum(row["x_in"], 0)]
@@ -482,14 +479,9 @@ def _vjp_leaves(ctx: _Context, state: dict[str, Any], row: Row) -> list[Any]:
 
 
 def _backward(
-    ctx: _Context,
-    state: dict[str, Any],
-    row: Row,
-    *,
-    first: bool,
-    last: bool,
+    ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, last: bool,
     kinds: frozenset[int],
-) -> Branch:
+) -> Branch:  # fmt: skip
     """B: the input gradient sent back (chunk 0: into the embedding). Unsplit schedules take
     the weight gradient here too; split ones run only the backward's input-gradient half and
     stash what W needs (``split.SplitBackward``)."""
@@ -509,14 +501,9 @@ def _backward(
 
 
 def _weights(
-    ctx: _Context,
-    state: dict[str, Any],
-    row: Row,
-    *,
-    first: bool,
-    last: bool,
+    ctx: _Context, state: dict[str, Any], row: Row, *, first: bool, last: bool,
     kinds: frozenset[int],
-) -> Branch:
+) -> Branch:  # fmt: skip
     """W (split schedules): the weight gradient of a chunk whose B already ran, from B's cut."""
     assert ctx.split is not None
     zeros = _zeros(state)
