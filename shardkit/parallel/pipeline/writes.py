@@ -12,12 +12,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from shardkit.parallel.pipeline.tables import KIND_INDEX
 from shardkit.parallel.vma import vary, varying_axes
 
 Writes = dict[str, Any]
 Row = dict[str, jax.Array]
 
-F, B, W = range(3)  # kind indices (``branch_parts``)
+F, B, W = (KIND_INDEX[k] for k in "FBW")  # ``branch_parts``'s kind indices
 
 
 def no_writes(state: dict[str, Any], row: Row, kinds: frozenset[int]) -> Writes:
@@ -96,7 +97,7 @@ def like(x: jax.Array, ref: jax.Array) -> jax.Array:
     return vary(x.astype(ref.dtype), varying_axes(ref))
 
 
-def buffer(slots: int, like: jax.Array, fill: float) -> jax.Array:
-    """[slots, *like.shape] of ``fill`` (integer residuals: 0), typed like ``like``."""
-    value = fill if jnp.issubdtype(like.dtype, jnp.floating) else 0
-    return vary(jnp.full((slots, *like.shape), value, like.dtype), varying_axes(like))
+def buffer(slots: int, proto: jax.Array, fill: float) -> jax.Array:
+    """[slots, *proto.shape] of ``fill`` (integer residuals: 0), typed like ``proto``."""
+    value = fill if jnp.issubdtype(proto.dtype, jnp.floating) else 0
+    return vary(jnp.full((slots, *proto.shape), value, proto.dtype), varying_axes(proto))
