@@ -24,8 +24,9 @@ VARIANTS: dict[str, dict[str, int]] = {
     "S": dict(dim=384, depth=12, mlp_dim=1536, heads=6),
     "B": dict(dim=768, depth=12, mlp_dim=3072, heads=12),
     "L": dict(dim=1024, depth=24, mlp_dim=4096, heads=16),
+    "H": dict(dim=1280, depth=32, mlp_dim=5120, heads=16),
 }
-VARIANT_NAMES = ("mu", "Ti/16", "S/16", "B/16", "L/16")
+VARIANT_NAMES = ("mu", "Ti/16", "S/16", "B/16", "L/16", "H/14")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +121,7 @@ def _check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 def variant(name: str, **overrides: Any) -> ViTConfig:
-    """Config for a named variant ("mu", "Ti/16", "S/16", "B/16", "L/16"), fields overridable.
+    """Config for a named variant ("mu", "Ti/16", "S/16", "B/16", "L/16", "H/14"), fields overridable.
 
     "X/p" sets the patch size to p; the big variants default to 224px images and 1000 classes,
     "mu" to 32px images, patch 8 and 10 classes.

@@ -1,6 +1,7 @@
 """The ``shardkit`` command: ``verify`` (sharded == reference), ``inspect`` (the ledger) and
-``train`` (a real training run), ``bench`` and ``launch``. Argument parsing, printing and error
-reporting only; every command's work is in ``shardkit.run`` (``bench``'s flags: ``cli.bench``).
+``train`` (a real training run), ``bench``, ``plan`` and ``launch``. Argument parsing, printing
+and error reporting only; every command's work is in ``shardkit.run`` (``bench``'s and
+``plan``'s flags: ``cli.bench``, ``cli.plan``).
 
 Bad arguments print one line on stderr and exit 2; a failed verification or a diverged training
 run exits 1.
@@ -42,7 +43,9 @@ def add_model_opts(p: argparse.ArgumentParser, batch: int, about: str) -> None:
                    help="the ViT (default), or the Llama-style decoder on the Zen of Python, "
                    "dense or mixture-of-experts (the flags below --batch, and --dim, --depth "
                    "(its layers), --heads, --mlp-dim, apply to it)")  # fmt: skip
-    g.add_argument("--variant", help="mu, Ti/16, S/16, B/16 or L/16 (other flags override it)")
+    g.add_argument(
+        "--variant", help="mu, Ti/16, S/16, B/16, L/16 or H/14 (other flags override it)"
+    )
     for name in MODEL_FLAGS:
         g.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
     g.add_argument("--pool", choices=("tok", "gap"))
@@ -109,10 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile for a TPU slice, e.g. v5e:2x4 (needs libtpu: shardkit[tpu]; no chip): "
         "the TPU compiler's collectives, and the memory against the chip's HBM",
     )
+    inspect.add_argument("--tpu-flags", choices=("default", "maxtext"),
+                         help="with --target: libtpu's flags (maxtext: MaxText's v5e overlap "
+                         "flags; default: libtpu's own)")  # fmt: skip
     _add_train_parser(sub)
     from shardkit.cli import bench
 
     bench.add_parser(sub)
+    from shardkit.cli import plan
+
+    plan.add_parser(sub)
     _add_launch_parser(sub)
     return parser
 
@@ -275,6 +284,8 @@ def run_inspect(args: argparse.Namespace) -> int:
         from shardkit.run import target
 
         target.prepare_environment()  # before JAX starts: the CPU backend, libtpu shareable
+    elif args.tpu_flags:
+        raise UsageError("--tpu-flags sets the TPU compiler's flags: it needs --target.")
     from shardkit.run import inspect
 
     setup_devices(args.devices)
@@ -286,8 +297,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     devices = target.topology_devices(args.target, plan.num_devices) if args.target else None
     model = config.build(cfg, plan, args.batch, devices)
     _note(cfg, model.plan)
+    flags = target.TPU_FLAGS[args.tpu_flags or "default"] if args.target else None
     print(inspect.run(model, args.batch, as_json=args.json, hlo_path=args.hlo,
-                      plot_path=args.plot, target=args.target))  # fmt: skip
+                      plot_path=args.plot, target=args.target, compiler_options=flags))  # fmt: skip
     return 0
 
 
@@ -413,7 +425,7 @@ def run_launch(args: argparse.Namespace) -> int:
 
 
 VIT_ONLY = (*MODEL_FLAGS, "variant", "pool", "posemb", "dtype", "precision", "ulysses", "zero",
-            "layers", "overlap", "hlo", "plot", "target",
+            "layers", "overlap", "hlo", "plot", "target", "tpu_flags",
             "resume", "checkpoint_every", "keep", "eval_every", "cache", "data", "chip",
             "batches", "remats", "attention", "tokens", "ring")  # fmt: skip
 LM_ONLY = ("--experts", "--top-k", "--capacity-factor", "--documents", "--tied")
@@ -470,12 +482,19 @@ def _run_bench(args: argparse.Namespace) -> int:
     return bench.run_bench(args)
 
 
+def _run_plan(args: argparse.Namespace) -> int:
+    from shardkit.cli import plan
+
+    return plan.run_plan(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     commands = {
         "verify": run_verify,
         "inspect": run_inspect,
         "train": run_train,
         "bench": _run_bench,
+        "plan": _run_plan,
         "launch": run_launch,
     }
     try:
@@ -485,6 +504,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if hasattr(args, "devices") and args.devices is None:
             args.devices = _mesh_devices(args.mesh)
         if getattr(args, "model", "vit") != "vit":
+            if args.command == "plan":
+                raise UsageError(
+                    "plan ranks the ViT's plans; --model gpt and moe-gpt have none yet."
+                )
             return run_lm(args)
         given = [f for f in LM_ONLY if f in argv]
         if given:

@@ -45,6 +45,13 @@ def add_parser(sub: Any) -> None:
     bench.add_argument("--schedules", action="store_true", help="every pipeline schedule on "
                        "the plan's stage axis: time, bubble, matmul FLOPs (--mesh ...,stage=S "
                        "--microbatches M)")  # fmt: skip
+    pod = bench.add_argument_group("compiled for a TPU slice, not run (--target)")
+    pod.add_argument("--target", metavar="TOPOLOGY", help="compile each strategy's step, "
+                     "shardkit's and XLA auto's, for a TPU slice (e.g. v5e:2x4; needs libtpu): "
+                     "bytes, hidden share, memory, estimated ms")  # fmt: skip
+    pod.add_argument("--tpu-flags", choices=("default", "maxtext"),
+                     help="with --target: libtpu's flags (maxtext: MaxText's v5e overlap "
+                     "flags)")  # fmt: skip
     att = bench.add_argument_group("one device's attention (--attention)")
     att.add_argument("--attention", action="store_true", help="forward + backward per length, "
                      "shardkit's kernels vs splash and XLA (b 1, 8 heads × 128, bf16)")  # fmt: skip
@@ -95,6 +102,10 @@ def run_bench(args: argparse.Namespace) -> int:
     from shardkit.run import bench
 
     _check_bench_flags(args)
+    if args.target:
+        return _run_target_bench(args)
+    if args.tpu_flags:
+        raise UsageError("--tpu-flags sets the TPU compiler's flags: it needs --target.")
     if args.chip:
         return _run_chip_bench(args)
     if args.attention:
@@ -108,6 +119,26 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.plot:
         bench.plot(result, args.plot)
     print(json.dumps(result) if args.json else bench.format_table(result, args.markdown))
+    return 0
+
+
+def _run_target_bench(args: argparse.Namespace) -> int:
+    """``bench --target``: the strategies compiled for a TPU slice (``run.target_bench``)."""
+    from shardkit.run import target
+
+    if args.chip or args.attention or args.schedules or args.plot:
+        raise UsageError("--target compiles the strategies for a TPU slice: give no --chip, "
+                         "--attention, --schedules or --plot.")  # fmt: skip
+    target.prepare_environment()  # before JAX starts: the CPU backend, libtpu shareable
+    from shardkit.run import bench, target_bench
+
+    chips = target.topology_devices(args.target).size
+    if not args.mesh:
+        args.devices = chips  # the matrix's meshes over the slice's chips
+    cfg = model_config(args, bench.DEFAULT_MODEL)
+    result = target_bench.run(cfg, _bench_cases(args), args.batch, args.target,
+                              args.tpu_flags or "default", _progress)  # fmt: skip
+    print(json.dumps(result) if args.json else target_bench.format_table(result, args.markdown))
     return 0
 
 

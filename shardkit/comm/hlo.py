@@ -514,9 +514,58 @@ def matmul_flops(instr: Instruction, shapes: dict[str, str]) -> float | None:
         found = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.attrs)
         dims = [int(d) for d in found.group(1).split(",") if d] if found else []
         return 2.0 * math.prod(out) * math.prod(lhs[d] for d in dims)
-    labels = re.search(r"dim_labels=\w+_(\w+)->", instr.attrs)
-    per_feature = math.prod(rhs) / rhs[labels.group(1).index("o")] if labels else 0
-    return 2.0 * math.prod(out) * per_feature
+    return 2.0 * _convolution_macs(instr.attrs, lhs, rhs, out)
+
+
+def _convolution_macs(attrs: str, lhs: tuple[int, ...], rhs: tuple[int, ...],
+                      out: tuple[int, ...]) -> float:  # fmt: skip
+    """Multiply-adds of one ``convolution`` that touch a real input: output batch × output
+    features × the kernel's input features × per spatial dimension the (output, window)
+    position pairs that land on an input element, not on padding or a dilation hole. The TPU
+    compiler writes batched matmuls as convolutions whose windows span the batch dimensions
+    with ``lhs_dilate`` = window (one pair per output position); counting the whole window
+    there would count those matmuls batch-fold."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", attrs)
+    if labels is None:
+        return 0.0
+    lhs_l, rhs_l, out_l = labels.groups()
+    macs = float(out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")])
+    window = _window(attrs)
+    for d in range(sum(c.isdigit() for c in lhs_l)):
+        field = {k: v[d] for k, v in window.items()}
+        macs *= _pairs(lhs[lhs_l.index(str(d))], rhs[rhs_l.index(str(d))],
+                       out[out_l.index(str(d))], field)  # fmt: skip
+    return macs
+
+
+def _window(attrs: str) -> dict[str, list[tuple[int, ...]]]:
+    """A convolution's ``window={...}`` fields, per spatial dimension (pads as (lo, hi))."""
+    found = re.search(r"window=\{([^}]*)\}", attrs)
+    fields: dict[str, list[tuple[int, ...]]] = {}
+    for item in found.group(1).split() if found else ():
+        key, _, value = item.partition("=")
+        parts = value.split("x")
+        fields[key] = [tuple(int(n) for n in p.split("_")) for p in parts]
+    return fields
+
+
+def _pairs(size: int, kernel: int, outputs: int, window: dict[str, tuple[int, ...]]) -> int:
+    """(output, window) position pairs of one spatial dimension that read an input element."""
+    stride = window.get("stride", (1,))[0]
+    pad_lo = window.get("pad", (0, 0))[0]
+    lhs_dilate = window.get("lhs_dilate", (1,))[0]
+    rhs_dilate = window.get("rhs_dilate", (1,))[0]
+    last = (size - 1) * lhs_dilate
+    count = 0
+    for k in range(kernel):
+        shift = k * rhs_dilate - pad_lo  # pos = o * stride + shift
+        if lhs_dilate == 1:  # every o with 0 <= pos <= last
+            lo, hi = max(0, -(shift // stride)), min(outputs - 1, (last - shift) // stride)
+            count += max(0, hi - lo + 1)
+        else:
+            count += sum(0 <= o * stride + shift <= last and (o * stride + shift) % lhs_dilate == 0
+                         for o in range(outputs))  # fmt: skip
+    return count
 
 
 def _calls_any(instr: Instruction, comps: set[str]) -> bool:

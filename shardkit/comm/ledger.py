@@ -325,7 +325,11 @@ class Ledger:
 
 
 def measure(
-    fn: Callable[..., Any], *args: Any, mesh: AnyMesh | None = None, **kwargs: Any
+    fn: Callable[..., Any],
+    *args: Any,
+    mesh: AnyMesh | None = None,
+    compiler_options: dict[str, str] | None = None,
+    **kwargs: Any,
 ) -> Ledger:
     """Compiles ``fn`` for these arguments and returns its ledger.
 
@@ -336,12 +340,14 @@ def measure(
       mesh: the mesh whose axes name the replica groups; default: the mesh of the first
         ``NamedSharding`` among the compiled program's input (then output) shardings. Without
         one, a program with collectives raises ``ValueError`` (see ``ledger_of``).
+      compiler_options: XLA (and, compiling for a TPU, libtpu) options for this compile, e.g.
+        ``run.target.TPU_FLAGS``'s; unknown names are the compiler's INVALID_ARGUMENT.
 
     Returns:
       A :class:`Ledger`; see the module docstring for what is counted and how.
     """
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    return ledger_of(jitted.lower(*args, **kwargs).compile(), mesh)
+    return ledger_of(jitted.lower(*args, **kwargs).compile(compiler_options), mesh)
 
 
 def ledger_of(compiled: Any, mesh: AnyMesh | None = None) -> Ledger:

@@ -267,8 +267,8 @@ class ShardedModel:
         _warn_unsplit_batch(self.batch_specs, self.batch_axes)
         self.sync_axes = grad_sync_axes(self.state_specs, mesh, batch_axes, token_axes, token_free)
         self.gather = gather
-        # FSDP buckets as padded tiles on a TPU, where flat ones become all-reduces
-        # (``data.bucket_elements``).
+        # FSDP's and ZeRO's buckets as padded tiles on a TPU, where flat ones become
+        # all-reduces (``data.bucket_elements``).
         self.fsdp_tiles = platform(mesh) == "tpu"
         self.pipeline = pipeline
         if pipeline is not None:
@@ -405,7 +405,9 @@ class ShardedModel:
     def zero2_loss_local(self, frags: PyTree, params: PyTree, *batch: Array) -> Any:
         """ZeRO-2's loss: ``loss_local`` on ``params`` whose gradients go to ``frags``,
         reduce-scattered once backward is done (override to attach them layer by layer)."""
-        attached = dp.zero_attach(params, frags, self.zero_dims, self.batch_axes[0])
+        attached = dp.zero_attach(
+            params, frags, self.zero_dims, self.batch_axes[0], tiled=self.fsdp_tiles
+        )
         return self._loss_gathered(attached, *batch)
 
     def loss_and_grads_local(self, params: PyTree, *batch: Array) -> tuple[Any, PyTree]:
@@ -431,7 +433,7 @@ class ShardedModel:
     def finish_grads(self, grads: PyTree) -> PyTree:
         """Raw gradients to synced ones: ZeRO-1's reduce-scatter, then ``sync_grads``."""
         if self.zero == 1 and self.zero_axis:
-            grads = dp.zero_scatter(grads, self.zero_dims, self.zero_axis)
+            grads = dp.zero_scatter(grads, self.zero_dims, self.zero_axis, tiled=self.fsdp_tiles)
         return self.sync_grads_local(grads)
 
     def sync_grads_local(self, grads: PyTree) -> PyTree:
@@ -528,8 +530,9 @@ class ShardedModel:
             loss, grads, norm = self.clipped_grads_local(clip_norm, params, *batch)
             metrics = _metrics(loss) | {"grad_norm": norm}
         params, opt_state = dp.zero_update(
-            optimizer, grads, opt_state, params, self.zero_dims, self.batch_axes[0]
-        )
+            optimizer, grads, opt_state, params, self.zero_dims, self.batch_axes[0],
+            tiled=self.fsdp_tiles,
+        )  # fmt: skip
         return params, opt_state, metrics
 
     def _zero_step(

@@ -204,14 +204,17 @@ def _bucket_gather(
 
 
 @shard_map_primitive
-def zero_scatter(grads: PyTree, dims_tree: PyTree, axis: str = "data") -> PyTree:
+def zero_scatter(
+    grads: PyTree, dims_tree: PyTree, axis: str = "data", *, tiled: bool = False
+) -> PyTree:
     """Reduce-scatters each split leaf's gradient: ``dw[D]{U_X} -> dw[D_X]``, in buckets.
 
     The exact transpose of ``fsdp_gather``'s bucketed all-gather (ZeRO-1's and ZeRO-2's
     gradient reduction): each gradient is cut into n blocks along its dim, the blocks are laid
-    out device-major in one flat [n, Σ] buffer per bucket, and ONE reduce-scatter leaves
-    device k the sum of row k. Leaves whose dim is None pass through unchanged.
-    Cost: (n−1)/n · the full gradient bytes.
+    out device-major in one [n, Σ] buffer per bucket (``tiled``: each row padded to
+    ``bucket_elements`` as [r, 128], what the TPU compiler keeps as a reduce-scatter), and ONE
+    reduce-scatter leaves device k the sum of row k. Leaves whose dim is None pass through.
+    Cost: (n−1)/n · the full gradient bytes (each bucket's padded).
     """
     leaves, treedef = jax.tree.flatten(grads)
     dims = _dims(dims_tree, leaves)
@@ -220,8 +223,10 @@ def zero_scatter(grads: PyTree, dims_tree: PyTree, axis: str = "data") -> PyTree
     for members in _buckets(leaves, dims):
         # row k of each: the block device k keeps
         rows = [jnp.moveaxis(leaves[i], dim, 0).reshape(n, -1) for i, dim in members]
+        joined = jnp.concatenate(rows, axis=1)  # [n, Σ / n]
+        wire = jax.vmap(lambda row: _wire(row, tiled))(joined)  # [n, Σ / n] or [n, r, 128]
         # ZeRO: each device needs only the summed gradient of the slice it updates.
-        summed = reduce_scatter(jnp.concatenate(rows, axis=1), axis)  # [Σ / n]
+        summed = reduce_scatter(wire, axis).reshape(-1)[: joined.shape[1]]
         offset = 0
         for (i, dim), row in zip(members, rows, strict=True):
             moved = jnp.moveaxis(leaves[i], dim, 0).shape
@@ -248,7 +253,9 @@ def zero_slices(tree: PyTree, dims_tree: PyTree, axis: str = "data") -> PyTree:
 
 
 @shard_map_primitive
-def zero_attach(full: PyTree, frags: PyTree, dims_tree: PyTree, axis: str = "data") -> PyTree:
+def zero_attach(
+    full: PyTree, frags: PyTree, dims_tree: PyTree, axis: str = "data", *, tiled: bool = False
+) -> PyTree:
     """ZeRO-2's hook: returns ``full`` (use it in the forward); its gradient goes to ``frags``,
     reduce-scattered where backward makes it: ``dw[D]{U_X} -> dw[D_X]``.
 
@@ -258,6 +265,7 @@ def zero_attach(full: PyTree, frags: PyTree, dims_tree: PyTree, axis: str = "dat
     layer's backward step, so the stacked gradients the scan returns are already 1/n: the
     whole gradient of one layer is alive at a time, never all of them (the memory ZeRO-2
     saves over ZeRO-1). Leaves whose dim is None are passed as ``frags`` whole and returned.
+    ``tiled``: the reduce-scatters' buckets as ``zero_scatter`` lays them out on a TPU.
     """
     full_leaves, treedef = jax.tree.flatten(full)
     frag_leaves = jax.tree.leaves(frags)
@@ -273,7 +281,7 @@ def zero_attach(full: PyTree, frags: PyTree, dims_tree: PyTree, axis: str = "dat
         return fulls, None
 
     def bwd(_: None, cotangents: list[Array]) -> tuple[None, list[Array]]:
-        return None, zero_scatter(list(cotangents), split_dims, axis)
+        return None, zero_scatter(list(cotangents), split_dims, axis, tiled=tiled)
 
     attach.defvjp(fwd, bwd)
     used = attach([full_leaves[i] for i in split], [frag_leaves[i] for i in split])
@@ -291,6 +299,8 @@ def zero_update(
     params: PyTree,
     dims_tree: PyTree,
     axis: str = "data",
+    *,
+    tiled: bool = False,
 ) -> tuple[PyTree, Any]:
     """ZeRO's update: the local slice with the local state, then the params all-gathered.
 
@@ -306,11 +316,12 @@ def zero_update(
       opt_state_frag: this device's optimizer-state slice, split like ``dims_tree``.
       params: replicated params.
       dims_tree: the split dim of each leaf (or None).
+      tiled: the all-gathers' buckets as padded [r, 128] tiles (``bucket_elements``; on a TPU).
     """
     w_frag = zero_slices(params, dims_tree, axis)
     w_frag, opt_state_frag = optax_update(optimizer, grads_frag, opt_state_frag, w_frag)
     leaves, treedef = jax.tree.flatten(w_frag)
-    gathered = _bucket_gather(leaves, _dims(dims_tree, leaves), axis, "invarying")
+    gathered = _bucket_gather(leaves, _dims(dims_tree, leaves), axis, "invarying", tiled)
     return jax.tree.unflatten(treedef, gathered), opt_state_frag
 
 
@@ -322,6 +333,8 @@ def zero1_update(
     params: PyTree,
     dims_tree: PyTree,
     axis: str = "data",
+    *,
+    tiled: bool = False,
 ) -> tuple[PyTree, Any]:
     """ZeRO-1 step inside ``shard_map``: optimizer state split over ``axis``, params replicated.
 
@@ -331,14 +344,14 @@ def zero1_update(
 
     Args:
       grads: per-device partial gradients (varying over ``axis``), like ``params``; the other
-        arguments are ``zero_update``'s.
+        arguments are ``zero_update``'s (``tiled`` lays out the reduce-scatters' buckets too).
     """
     is_none = lambda x: x is None  # noqa: E731
     whole = jax.tree.map(
         lambda g, d: jax.lax.psum(g, axis) if d is None else g, grads, dims_tree, is_leaf=is_none
     )
-    g_frag = zero_scatter(whole, dims_tree, axis)
-    return zero_update(optimizer, g_frag, opt_state_frag, params, dims_tree, axis)
+    g_frag = zero_scatter(whole, dims_tree, axis, tiled=tiled)
+    return zero_update(optimizer, g_frag, opt_state_frag, params, dims_tree, axis, tiled=tiled)
 
 
 def optax_update(

@@ -396,7 +396,10 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 
 def auto_train_step(
-    cfg: vit_ref.ViTConfig, plan: Plan, optimizer: optax.GradientTransformation
+    cfg: vit_ref.ViTConfig,
+    plan: Plan,
+    optimizer: optax.GradientTransformation,
+    devices: Any = None,
 ) -> tuple[Callable[..., Any], Any, Any]:
     """The reference train step partitioned by XLA: ``(jitted step, param shardings,
     optimizer-state shardings)``.
@@ -407,9 +410,10 @@ def auto_train_step(
     ``with_sharding_constraint`` of the tokens over the plan's token axes (``seq`` for ring,
     Ulysses and USP, ``(seq, model)`` for Megatron-SP) at the embedding and every block input. XLA's
     partitioner (Shardy) chooses every collective; without the constraint it would not split
-    tokens at all.
+    tokens at all. ``devices``: the mesh's (default ``jax.devices()``; a TPU slice's under
+    ``bench --target``).
     """
-    mesh = make_mesh(plan.mesh)
+    mesh = make_mesh(plan.mesh, devices)
     constrain = _token_constraint(cfg, plan, mesh)
     specs = param_specs(cfg, plan)
     param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
@@ -442,14 +446,21 @@ def _token_constraint(
     return lambda x: jax.lax.with_sharding_constraint(x, tokens)
 
 
-def measure_auto(cfg: vit_ref.ViTConfig, plan: Plan, batch: int) -> Ledger:
-    """The ledger of ``auto_train_step`` compiled for a global ``batch`` (never run)."""
+def measure_auto(
+    cfg: vit_ref.ViTConfig,
+    plan: Plan,
+    batch: int,
+    devices: Any = None,
+    compiler_options: dict[str, str] | None = None,
+) -> Ledger:
+    """The ledger of ``auto_train_step`` compiled for a global ``batch`` (never run), over
+    ``devices`` (default ``jax.devices()``) with ``compiler_options``."""
     check_plan(cfg, plan, batch)
     optimizer = default_optimizer()
-    step, _, _ = auto_train_step(cfg, plan, optimizer)
-    mesh = make_mesh(plan.mesh)
+    step, _, _ = auto_train_step(cfg, plan, optimizer, devices)
+    mesh = make_mesh(plan.mesh, devices)
     batch_spec = P("data") if plan.size("data") > 1 else P()
     specs = (param_specs(cfg, plan), state_specs(cfg, plan))
     sharding = lambda s: NamedSharding(mesh, s)  # noqa: E731
     args = abstract_step_args(cfg, *specs, sharding, batch_spec, batch, optimizer)
-    return measure(step, *args, mesh=mesh)
+    return measure(step, *args, mesh=mesh, compiler_options=compiler_options)

@@ -8,6 +8,7 @@ command's outputs. Across processes (``shardkit launch``) only process 0 writes 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 from typing import Any
@@ -27,19 +28,23 @@ def run(
     hlo_path: str | pathlib.Path | None = None,
     plot_path: str | pathlib.Path | None = None,
     target: str | None = None,
+    compiler_options: dict[str, str] | None = None,
 ) -> str:
     """The report of ``model``'s step as the command prints it (a table, or one JSON object);
     writes the compiled HLO to ``hlo_path`` and the picture to ``plot_path`` when given.
 
     ``target``: the TPU topology ``model``'s devices are (``run.target.topology_devices``): the
     report adds the fit to the chip's HBM, and a step that does not fit raises ``TargetError``.
+    ``compiler_options``: for the compile (``run.target.TPU_FLAGS``).
     """
     lead = jax.process_index() == 0  # across processes, files come from process 0 only
     platform = mesh_platform(model.mesh)  # "tpu" under --target, or on a TPU
     try:
-        result = report.model_inspect(
-            model, batch, hlo_path=hlo_path if lead else None, platform=platform
-        )
+        with tgt.uncached() if target else contextlib.nullcontext():
+            result = report.model_inspect(
+                model, batch, hlo_path=hlo_path if lead else None, platform=platform,
+                compiler_options=compiler_options,
+            )  # fmt: skip
     except jax.errors.JaxRuntimeError as err:
         refused = target and _no_fit(err, model, batch)
         if refused:

@@ -46,11 +46,44 @@ class TargetError(ValueError):
     """A target that cannot be compiled for, or a plan that does not fit it (one sentence)."""
 
 
+# libtpu's compiler options (``--tpu-flags``), passed to each compile (a compile-only client
+# does not read LIBTPU_INIT_ARGS). "maxtext": what MaxText's v5e runs set to overlap
+# collectives with compute (its LIBTPU_INIT_ARGS), plus async all-to-alls.
+TPU_FLAGS: dict[str, dict[str, str]] = {
+    "default": {},
+    "maxtext": dict.fromkeys((
+        "xla_tpu_enable_data_parallel_all_reduce_opt",
+        "xla_tpu_data_parallel_opt_different_sized_ops",
+        "xla_tpu_enable_async_collective_fusion",
+        "xla_tpu_enable_async_collective_fusion_fuse_all_gather",
+        "xla_tpu_enable_async_collective_fusion_multiple_steps",
+        "xla_tpu_overlap_compute_collective_tc",
+        "xla_enable_async_all_gather",
+        "xla_tpu_enable_async_all_to_all",
+    ), "true"),
+}  # fmt: skip
+
+
 def prepare_environment() -> None:
     """Before JAX starts: the command's own backend is the CPU, and libtpu may be loaded by
     several processes at once (compile-only)."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+@contextlib.contextmanager
+def uncached() -> Iterator[None]:
+    """Compiles in this block skip JAX's persistent compilation cache: an executable compiled
+    for a topology (no chip) cannot be read back from it ("PjRtCompiler must be constructed
+    with a Client"), so a second compile of the same step would fail where it should hit."""
+    import jax
+
+    before = getattr(jax.config, "jax_enable_compilation_cache")  # noqa: B009 (untyped attr)
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardkit.comm import hlo
 from shardkit.comm.ledger import (
     KINDS,
     Collective,
@@ -715,3 +716,40 @@ def test_matmul_flops_count_every_dot_by_its_executions():
 
     conv = measure(patches, images, kernel)
     assert conv.flops == 2 * (2 * 2 * 2 * 5) * (4 * 4 * 3)
+
+
+TPU_BATCHED_MATMUL = """HloModule step
+
+ENTRY %main (q: bf16[32,196,12,64], k: bf16[32,196,12,64]) -> f32[32,12,196,196] {
+  %q = bf16[32,196,12,64]{3,2,1,0} parameter(0)
+  %k = bf16[32,196,12,64]{3,2,1,0} parameter(1)
+  ROOT %scores = f32[32,12,196,196]{2,3,1,0} convolution(%q, %k), WINDOW
+}
+""".replace(
+    "WINDOW", "window={size=32x12 stride=31x11 lhs_dilate=32x12}, dim_labels=0b1f_0o1i->01bf"
+)
+
+
+def test_a_batched_matmul_the_tpu_compiler_wrote_as_a_convolution_counts_once():
+    """The TPU compiler writes ``bqhk,bshk->bhqs`` as a convolution whose window spans the batch
+    dims (b, h) with ``lhs_dilate`` = window, so each output position reads one (b, h) element:
+    its FLOPs are the matmul's, 2·b·h·q·s·k, not the window's b·h times that."""
+    (scores,) = hlo.parse_matmuls(TPU_BATCHED_MATMUL)
+    assert scores.flops == 2 * 32 * 12 * 196 * 196 * 64
+
+
+def test_a_dilated_padded_convolution_counts_the_pairs_that_read_an_input():
+    """Padding and input dilation add window positions that read nothing: the count is the
+    brute-force count of (output, window) pairs that land on an input element."""
+    x, k = jnp.ones((1, 5, 2)), jnp.ones((3, 2, 4))
+
+    def conv(a, b):
+        return lax.conv_general_dilated(a, b, (2,), [(2, 1)], lhs_dilation=(2,),
+                                        dimension_numbers=("NWC", "WIO", "NWC"))  # fmt: skip
+
+    got = measure(conv, x, k)
+    outputs = conv(x, k).shape[1]
+    last = (5 - 1) * 2
+    pairs = sum(0 <= o * 2 + w - 2 <= last and (o * 2 + w - 2) % 2 == 0
+                for o in range(outputs) for w in range(3))  # fmt: skip
+    assert got.flops == 2 * 4 * 2 * pairs

@@ -295,6 +295,41 @@ def test_tiled_fsdp_buckets_equal_flat_ones() -> None:
     assert [c.result_bytes for c in sent] == [4 * 34_816 * 4]  # n · padded · float32
 
 
+def test_tiled_zero_buckets_equal_flat_ones() -> None:
+    """ZeRO-1's step with ``tiled`` buckets (a TPU mesh's layout): the reduce-scatter's rows
+    and the all-gather's slices travel as padded [r, 128] tiles, and the updated params and
+    optimizer state are identical to the flat buckets'."""
+    rng = np.random.default_rng(7)
+    shapes = {"a": (4 * 20_000,), "b": (4 * 200, 70), "bias": (3,)}
+    params = {k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
+    grads = {k: rng.standard_normal((4, *v)).astype(np.float32) for k, v in shapes.items()}
+    dims = {"a": 0, "b": 0, "bias": None}
+    optimizer = optax.adamw(1e-2)
+    mesh = mesh_of(4)
+    state_specs = zero1_specs(optimizer, params, dims)
+    state = jax.device_put(
+        optimizer.init(params), jax.tree.map(lambda s: jax.NamedSharding(mesh, s), state_specs)
+    )
+
+    def step(tiled: bool):
+        def body(p, g, st):
+            g = jax.tree.map(lambda x: x[0], g)  # this device's partial gradient, dw{U_data}
+            return dp.zero1_update(optimizer, g, st, p, dims, tiled=tiled)
+
+        g_specs = jax.tree.map(lambda _: P("data"), grads)
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), g_specs, state_specs),
+                           out_specs=(P(), state_specs))  # fmt: skip
+        return jax.jit(fn)
+
+    flat, tiled = (step(t)(params, grads, state) for t in (False, True))
+    for a, b in zip(jax.tree.leaves(flat), jax.tree.leaves(tiled), strict=True):
+        np.testing.assert_array_equal(a, b)
+    sent = ledger.measure(step(True), params, grads, state, mesh=mesh)
+    assert dp.bucket_elements(34_000) == 34_816
+    assert [c.result_bytes for c in sent.select("reduce-scatter")] == [34_816 * 4]
+    assert [c.result_bytes for c in sent.select("all-gather")] == [4 * 34_816 * 4]
+
+
 def test_fsdp_buckets_gather_each_group_of_leaves_in_one_op() -> None:
     """Four split leaves (split dims 0 and 1; two also split over model) on data=4 × model=2:
     bucketed, one all-gather per group of equal varying axes (2) and one reduce-scatter per

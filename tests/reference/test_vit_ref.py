@@ -26,7 +26,9 @@ def images_for(cfg: vit_ref.ViTConfig, batch: int = 2, seed: int = 1) -> jax.Arr
     return jax.random.normal(jax.random.key(seed), shape)
 
 
-@pytest.mark.parametrize(("name", "expected"), [("B/16", 86_566_120), ("S/16", 22_049_896)])
+@pytest.mark.parametrize(
+    ("name", "expected"), [("B/16", 86_566_120), ("S/16", 22_049_896), ("H/14", 632_043_240)]
+)
 def test_param_counts_match_big_vision(name, expected):
     cfg = vit_ref.variant(name, pool="gap", posemb="learn")
     assert count_params(cfg) == expected
@@ -237,8 +239,8 @@ def test_bad_configs_raise_value_error_naming_field_and_values(overrides, words)
 
 
 def test_unknown_variant_and_field_raise():
-    with pytest.raises(ValueError, match="Unknown ViT variant 'H/14'"):
-        vit_ref.variant("H/14")
+    with pytest.raises(ValueError, match="Unknown ViT variant 'G/14'"):
+        vit_ref.variant("G/14")
     with pytest.raises(ValueError, match="width"):
         vit_ref.variant("mu", width=3)
     with pytest.raises(ValueError, match="patch=3"):

@@ -75,6 +75,38 @@ def test_fsdp_keeps_its_gathers_and_reduce_scatters_on_the_tpu_compiler(capsys):
     assert kinds == {"all-reduce": 1, "all-gather": 3, "reduce-scatter": 3}
 
 
+@pytest.mark.parametrize("zero", ["1", "2"])
+def test_zero_keeps_its_gathers_and_reduce_scatters_on_the_tpu_compiler(capsys, zero):
+    """ZeRO-1 and ZeRO-2 over 8 (Ti/16, 2 layers): on a TPU mesh their buckets travel as padded
+    [r, 128] tiles like FSDP's, so the TPU compiler keeps the reduce-scatters and the
+    all-gather (flat, both became all-reduces: 1.997x the bytes), and the contract holds."""
+    argv = ["inspect", "--target", "v5e:2x4", "--json", "--variant", "Ti/16", "--depth", "2",
+            "--batch", "16", "--mesh", "data=8", "--zero", zero]  # fmt: skip
+    assert cli.main(argv) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["contract_ok"], got["mismatches"]
+    assert got["ratio"] == pytest.approx(1.0)
+    kinds = {row["kind"]: row["count"] for row in got["collectives"]}
+    assert kinds == {"all-reduce": 1, "all-gather": 1, "reduce-scatter": 1 if zero == "1" else 3}
+
+
+def test_maxtexts_libtpu_flags_reach_the_compiler_and_overlap_ulysses(capsys):
+    """``--tpu-flags maxtext`` passes MaxText's overlap flags to each compile (a compile-only
+    libtpu does not read LIBTPU_INIT_ARGS): Ulysses' all-to-alls become async and some of
+    their bytes hide under matmuls, where the default flags hide none."""
+    argv = ["--mesh", "data=2,seq=4", "--sp", "ulysses", "--heads", "4"]
+    default = inspect_json(capsys, *argv)
+    tuned = inspect_json(capsys, *argv, "--tpu-flags", "maxtext")
+    assert default["overlapped_fraction"] == 0.0 < tuned["overlapped_fraction"]
+    assert tuned["measured_bytes_sent"] == default["measured_bytes_sent"]
+
+
+def test_tpu_flags_need_a_target(capsys):
+    assert cli.main(["inspect", "--tpu-flags", "maxtext", *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert "--tpu-flags sets the TPU compiler's flags: it needs --target." in err
+
+
 def test_overlapped_megatron_sp_holds_its_contract_and_hides_its_bytes(capsys):
     """Megatron-SP with --overlap compiled for v5e:2x4 (layers unrolled): its rings of
     permutes hold the contract exactly on the TPU compiler's program, and more than half of
@@ -107,3 +139,35 @@ def test_target_mistakes_are_one_sentence(capsys, monkeypatch):
     )
     with pytest.raises(target.TargetError, match=r"needs libtpu: pip install 'shardkit\[tpu\]'"):
         target.topology_devices("v5e:2x4")
+
+
+def test_bench_target_compiles_shardkit_and_auto_side_by_side(capsys):
+    """``bench --target``: per strategy, shardkit's and XLA auto's steps compiled for the slice,
+    never run: bytes, hidden share, memory and the planner's estimate, shardkit's contract; DP's
+    bytes the same for both (one gradient all-reduce)."""
+    argv = ["bench", "--target", "v5e:2x4", "--strategies", "DP,ring", "--json", *SMALL[:-2],
+            "--batch", "16"]  # fmt: skip
+    assert cli.main(argv) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["device_kind"] == "TPU v5 lite" and got["flags"] == "default"
+    rows = {row["strategy"]: row for row in got["rows"]}
+    assert set(rows) == {"DP", "ring"}
+    for row in rows.values():
+        for who in ("shardkit", "auto"):
+            assert row[who]["error"] is None and row[who]["fits"]
+            assert row[who]["step_s"] > 0 and 0.0 <= row[who]["hidden_fraction"] <= 1.0
+    assert rows["DP"]["shardkit"]["contract_ok"]
+    assert rows["DP"]["shardkit"]["bytes_sent"] == pytest.approx(rows["DP"]["auto"]["bytes_sent"])
+    assert rows["ring"]["shardkit"]["hidden_fraction"] > 0  # the ring's permutes are async
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--target", "v5e:2x4", "--chip"], "--target compiles the strategies for a TPU slice"),
+        (["--tpu-flags", "maxtext"], "TPU compiler's flags: it needs --target"),
+    ],
+)
+def test_bench_target_flag_errors(capsys, argv, message):
+    assert cli.main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err

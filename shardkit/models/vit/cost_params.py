@@ -188,7 +188,7 @@ def zero_terms(g: Geometry) -> list[Term]:
     that layer's backward step (the outer leaves' once), so no layer's whole gradient outlives
     its step. The all-gathers after the update: one per set of split axes (the updated slices
     vary over data and the axes that split the param, nothing else). XLA's CPU pipeline
-    combines neither.
+    combines neither. On a TPU every bucket travels as padded tiles (``fsdp_group``).
     """
     if g.plan.zero not in (1, 2):
         return []
@@ -206,8 +206,12 @@ def zero_terms(g: Geometry) -> list[Term]:
                 "backward",
             ),
         ]  # fmt: skip
-    gathered = all_gather_bytes(sum(leaf.local * n * WORD for leaf in leaves), n)
-    count = len({frozenset(leaf.split) for leaf in leaves})
+    by_split: dict[frozenset[str], int] = {}
+    for leaf in leaves:
+        by_split[frozenset(leaf.split)] = by_split.get(frozenset(leaf.split), 0) + leaf.local
+    sizes = [dp.bucket_elements(size, g.fsdp_tiles) for size in by_split.values()]
+    gathered = all_gather_bytes(sum(sizes) * n * WORD, n)
+    count = len(sizes)
     gathers = term(g, "all-gather", ["data"], count, gathered / count, "updated params", STEP_END)
     return [*scatters, *gathers]
 
@@ -230,16 +234,15 @@ def fsdp_group(
 
     A leaf's ``local`` elements times n is its gathered size; block leaves hold all l layers,
     so a bucket's ``runs`` each move 1/runs of its elements: (n−1)/n · Σ local·n·w. FSDP's
-    buckets (``g.fsdp_tiles``: on a TPU) are padded to whole tiles (``data.bucket_elements``);
-    ZeRO's travel flat.
+    buckets and ZeRO's (``g.fsdp_tiles``: on a TPU) are padded to whole tiles
+    (``data.bucket_elements``).
     """
     n = g.plan.size("data")
     if not leaves:
         return []
     buckets = fsdp_buckets(g, leaves)
     sizes = [sum(leaf.local for leaf in bucket) // runs for bucket in buckets]
-    if g.fsdp_tiles and g.plan.zero == 3:
-        sizes = [dp.bucket_elements(size) for size in sizes]
+    sizes = [dp.bucket_elements(size, g.fsdp_tiles) for size in sizes]
     count = len(buckets) * runs
     total = all_gather_bytes(sum(sizes) * runs * n * WORD, n)
     return term(g, kind, ["data"], count, total / count, what, phase)

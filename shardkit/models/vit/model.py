@@ -118,7 +118,7 @@ class Layout:
 
     @property
     def fsdp_tiles(self) -> bool:
-        """FSDP's buckets as padded tiles: on a TPU mesh (``data.bucket_elements``)."""
+        """FSDP's and ZeRO's buckets as padded tiles: on a TPU mesh (``data.bucket_elements``)."""
         return platform(self.mesh) == "tpu"
 
     @property
@@ -248,7 +248,7 @@ def _encoder_local(
         p_layer, f_layer = layer
         p_layer = dp.fsdp_gather(p_layer, dims, tiled=lay.fsdp_tiles)
         if f_layer is not None:
-            p_layer = dp.zero_attach(p_layer, f_layer, zero_dims)
+            p_layer = dp.zero_attach(p_layer, f_layer, zero_dims, tiled=lay.fsdp_tiles)
         return _block_local(x, p_layer, key_valid, cfg, lay)
 
     x, _ = ref.run_layers(ref.remat_block(body, plan.remat), x, (blocks, frags), plan.layers)
@@ -311,7 +311,7 @@ def _logits_local(
     if frag_outer is not None:
         zero = state_specs(cfg, plan)
         dims = sharded.gather_dims({k: zero[k] for k in outer}, "data")
-        outer = dp.zero_attach(outer, frag_outer, dims)
+        outer = dp.zero_attach(outer, frag_outer, dims, tiled=lay.fsdp_tiles)
     x = _embed_local(outer, images, cfg, lay)
     x = _encoder_local(x, params["blocks"], cfg, plan, lay, frags=frags and frags["blocks"])
     return _head_local(outer, x, cfg, lay)

@@ -84,11 +84,14 @@ def measure_step(
     batch: int,
     optimizer: optax.GradientTransformation | None = None,
     clip_norm: float | None = None,
+    compiler_options: dict[str, str] | None = None,
 ) -> Ledger:
-    """The ledger of ``model.train_step(optimizer, clip_norm)`` compiled for a global ``batch``."""
+    """The ledger of ``model.train_step(optimizer, clip_norm)`` compiled for a global ``batch``
+    (with ``compiler_options``, e.g. libtpu's flags, when given)."""
     optimizer = optimizer or default_optimizer()
     args = step_args(model, batch, optimizer)
-    return measure(model.train_step(optimizer, clip_norm), *args, mesh=model.mesh)
+    step = model.train_step(optimizer, clip_norm)
+    return measure(step, *args, mesh=model.mesh, compiler_options=compiler_options)
 
 
 def model_report(
@@ -146,9 +149,11 @@ def model_inspect(
     *,
     hlo_path: str | pathlib.Path | None = None,
     platform: str = "cpu",
+    compiler_options: dict[str, str] | None = None,
 ) -> Report:
     """``inspect`` of a model already built (its plan checked once, when it was built)."""
-    ledger, narrowed = measure_step(model, batch), Narrowing()
+    ledger = measure_step(model, batch, compiler_options=compiler_options)
+    narrowed = Narrowing()
     if hlo_path is not None:
         pathlib.Path(hlo_path).write_text(ledger.hlo)
     if platform == "tpu" and model.cfg.dtype == "float32":  # the compiler's bf16 rounding
