@@ -161,7 +161,8 @@ def grads_local(
         parts = [d[k] for d in (d_embed, d_head) if k in d]
         d_whole[k] = parts[0] if len(parts) == 1 else jax.tree.map(lambda a, b: a + b, *parts)
     (grads,) = scatter(jax.tree.map(_typed_like, {k: d_whole[k] for k in whole}, whole))
-    return _with_metrics(model, stages, total, targets), model.finish_grads(grads)
+    synced, _ = model.finish_grads(grads)
+    return _with_metrics(model, stages, total, targets), synced
 
 
 def _with_metrics(model: ShardedModel, stages: Stages, total: Any, targets: Array) -> Any:

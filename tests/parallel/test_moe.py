@@ -204,10 +204,12 @@ class SyncedOver(ShardedModel):
 
     wrong: tuple[str, ...] = ()
 
-    def sync_grads_local(self, grads):
+    def sync_grads_local(self, grads, share=None):
         axes = dict(self.sync_axes)
         axes["moe"] = {**axes["moe"], **dict.fromkeys(("gate", "up", "down"), self.wrong)}
-        return shardkit.data.sync_grads(grads, axes)
+        tree, tree_axes = self.riding(grads, axes, share)
+        synced = shardkit.data.sync_grads(tree, tree_axes)
+        return synced["grads"], synced.get("loss")
 
 
 def wrong_model(shape, wrong):

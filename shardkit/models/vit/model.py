@@ -447,23 +447,26 @@ class ShardedViT(sharded.ShardedModel):
         images, labels = batch
         return self._loss_local(params, images, labels, frags=frags)
 
-    def sync_grads_local(self, grads: Params) -> Params:
+    def sync_grads_local(self, grads: Params, share: Array | None = None) -> tuple[Params, Any]:
         """``sync_grads``, except the token-indexed leaves (``row_leaves``) over the token
         axes: each shard's rows are its own, so an all-gather of the row slices is their whole
         sum, (n−1)/n·T'·d·w instead of an all-reduce's 2(n−1)/n·T·d·w. The slices are
-        all-reduced over data first (where it applies), in the step-end bucket."""
+        all-reduced over data first (where it applies), in the step-end bucket; the loss
+        ``share`` rides there too (``riding``)."""
         rows = row_leaves(self.cfg) if self.layout.token_axes else ()
         if not rows:
-            return super().sync_grads_local(grads)
+            return super().sync_grads_local(grads, share)
         token_axes = self.layout.token_axes
         rest = {k: v for k, v in grads.items() if k not in rows}
         axes = {k: self.sync_axes[k] for k in rest}
         own = tuple(a for a in self.sync_axes["pos_embedding"] if a not in token_axes)
-        synced = dp.sync_grads({**rest, "rows": _own_rows(grads, self.cfg, self.layout)},
-                               {**axes, "rows": own})  # fmt: skip
+        tree, tree_axes = self.riding({**rest, "rows": _own_rows(grads, self.cfg, self.layout)},
+                                      {**axes, "rows": own}, share)  # fmt: skip
+        synced = dp.sync_grads(tree, tree_axes)
+        inner = synced["grads"]
         # The token rows never overlap: gathering them sums them, and makes them invariant.
-        whole = all_gather(synced.pop("rows"), token_axes, tiled=True, to="invarying")
-        return {**synced, **_from_rows(whole, self.cfg, self.layout)}
+        whole = all_gather(inner.pop("rows"), token_axes, tiled=True, to="invarying")
+        return {**inner, **_from_rows(whole, self.cfg, self.layout)}, synced.get("loss")
 
     # ------------------------------------------------------------------------- pipeline
 
