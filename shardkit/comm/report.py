@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from shardkit.comm.ledger import KINDS, Ledger, Narrowing, Tally, shown_patterns, spanning
-from shardkit.comm.terms import Expectation, compare, compare_patterns
+from shardkit.comm.terms import Expectation, compare, compare_patterns, kept_apart
 
 Key = tuple[str, tuple[str, ...]]
 RTOL = 0.01  # bytes may differ by 1% (the contract); counts must be equal
@@ -34,12 +34,16 @@ class Row:
     # pattern -> ops and bytes, measured and expected (``ledger.Collective.pattern``)
     patterns: dict[str, Tally] = dataclasses.field(default_factory=dict)
     expected_patterns: dict[str, Tally] = dataclasses.field(default_factory=dict)
+    # the ops held to the contract: ``count`` less the collectives the compiler kept apart
+    # that the contract fuses (``Report.kept_apart``); None: ``count``
+    held_count: int | None = None
 
     @property
     def ok(self) -> bool:
         key = (self.kind, self.axes)
         want = {key: Tally(self.expected_count, self.expected_bytes_sent)}
-        got = {key: Tally(self.count, self.bytes_sent)}
+        held = self.count if self.held_count is None else self.held_count
+        got = {key: Tally(held, self.bytes_sent)}
         if compare(want, got, RTOL, exact=self.exact):
             return False
         if not (self.patterns and self.expected_patterns):
@@ -83,18 +87,35 @@ class Report:
     # program's width, the contract holds them to what the program wrote, and the bytes sent
     # (``measured_bytes_sent``) are what the wire carries.
     narrowed: Narrowing = dataclasses.field(default_factory=Narrowing)
+    # The compiler may keep apart collectives the contract fuses (``terms.kept_apart``): the
+    # TPU compiler does past its combine threshold, XLA:CPU merges them.
+    apart_ok: bool = False
+
+    def _measured(self) -> tuple[dict[Key, dict[str, Tally]], list[str]]:
+        """The ledger's patterns as held to the contract, and the rewrites named on the way
+        (collectives kept apart, where ``apart_ok``)."""
+        got = spanning(self.ledger.patterns())
+        if not self.apart_ok:
+            return got, []
+        e = self.expectation
+        return kept_apart(e.patterns(), e.unfused_patterns(), got, RTOL)
+
+    @property
+    def kept_apart(self) -> list[str]:
+        """One sentence per (kind, axes) whose fused collectives the compiler kept apart."""
+        return self._measured()[1]
 
     @property
     def rows(self) -> tuple[Row, ...]:
         """One row per (kind, axes) measured or expected, in ``ledger.KINDS`` order."""
+        got_p, want_p = self._measured()[0], self.expectation.patterns()
         got, want = spanning(self.ledger.summary()), self.expectation.summary()
-        got_p, want_p = spanning(self.ledger.patterns()), self.expectation.patterns()
         zero = Tally(0, 0.0)
         keys = sorted(set(got) | set(want), key=_row_order)
         exact = self.expectation.exact
         return tuple(
             Row(k[0], k[1], *_pair(got.get(k, zero)), *_pair(want.get(k, zero)), exact,
-                got_p.get(k, {}), want_p.get(k, {}))
+                got_p.get(k, {}), want_p.get(k, {}), _total(got_p.get(k, {})).count)
             for k in keys
         )  # fmt: skip
 
@@ -120,9 +141,10 @@ class Report:
     def mismatches(self) -> list[str]:
         """One sentence per (kind, axes) that breaks the contract; [] when it holds."""
         e, led = self.expectation, self.ledger
+        got = self._measured()[0]
         own = _inexact_counts(led)
-        own += compare(e.summary(), spanning(led.summary()), RTOL, exact=e.exact)
-        own += compare_patterns(e.patterns(), spanning(led.patterns()), led.collectives, RTOL)
+        own += compare(e.summary(), {k: _total(by) for k, by in got.items()}, RTOL, exact=e.exact)
+        own += compare_patterns(e.patterns(), got, led.collectives, RTOL)
         if not self.others:
             return own
         last = len(self.others)  # the other stages are 0 .. S−2
@@ -153,6 +175,7 @@ class Report:
             "contract_exact": self.expectation.exact,
             "mismatches": self.mismatches,
             "narrowed": dataclasses.asdict(self.narrowed),
+            "kept_apart": self.kept_apart,
             "overlapped_fraction": self.ledger.overlapped_fraction,
             **self._flops_json(),
             "memory": {
@@ -191,6 +214,7 @@ class Report:
             + ("✓ holds" if self.contract_ok else "✗ " + " ".join(self.mismatches))
             + _bound_note(self.expectation),
             _narrowed_note(self.narrowed),
+            *(f"kept apart by the compiler: {note}" for note in self.kept_apart),
         ]
         return "\n".join(line for line in lines if line)
 
@@ -223,6 +247,10 @@ def _inexact_counts(ledger: Ledger) -> list[str]:
         f"{len(unknown)} collective(s) ({where}) run in a loop whose trip count could not be "
         "read (counted once), so counts and bytes cannot be held to the contract."
     ]
+
+
+def _total(by: dict[str, Tally]) -> Tally:
+    return Tally(sum(t.count for t in by.values()), sum(t.bytes_sent for t in by.values()))
 
 
 def _pair(t: Tally) -> tuple[int, float]:

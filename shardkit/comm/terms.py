@@ -88,6 +88,11 @@ class Expectation:
         """``summary`` split by pattern: (kind, axes) -> pattern -> ops and bytes."""
         return patterns_of(self.terms)
 
+    def unfused_patterns(self) -> dict[Key, dict[str, Tally]]:
+        """``patterns`` with every fused group's terms counted as ops of their own: the most
+        ops a compiler that merges none of them runs (``kept_apart``)."""
+        return patterns_of(self.terms, fuse=False)
+
     def total_bytes_sent(self) -> float:
         """Bytes one device sends per call, over every collective."""
         return sum(term.bytes_sent for term in self.terms)
@@ -133,20 +138,47 @@ def compare(
     return problems
 
 
-def patterns_of(terms: Iterable[Term]) -> dict[Key, dict[str, Tally]]:
-    """(kind, axes) -> pattern -> ops and bytes of the terms (fused ones once per group)."""
+def patterns_of(terms: Iterable[Term], fuse: bool = True) -> dict[Key, dict[str, Tally]]:
+    """(kind, axes) -> pattern -> ops and bytes of the terms (fused ones once per group, unless
+    not ``fuse``)."""
     out: dict[Key, dict[str, Tally]] = {}
     seen: set[tuple[str, Axes, str, str]] = set()
     for term in terms:
         key, fused = (term.kind, term.axes), term.fused
         count = term.count
-        if fused is not None:
+        if fused is not None and fuse:
             count = 0 if (*key, term.pattern, fused) in seen else 1
             seen.add((*key, term.pattern, fused))
         by = out.setdefault(key, {})
         t = by.get(term.pattern, Tally(0, 0.0))
         by[term.pattern] = Tally(t.count + count, t.bytes_sent + term.bytes_sent)
     return out
+
+
+def kept_apart(
+    expected: dict[Key, dict[str, Tally]],
+    unfused: dict[Key, dict[str, Tally]],
+    measured: dict[Key, dict[str, Tally]],
+    rtol: float = 0.01,
+) -> tuple[dict[Key, dict[str, Tally]], list[str]]:
+    """Collectives the contract fuses (``Term.fused``) that a compiler kept apart: per (kind,
+    axes) with more ops than ``expected`` but at most ``unfused`` (none merged), and the same
+    bytes by pattern, the measured ops are counted as the contract's (``measured`` adjusted) and
+    the rewrite named in one sentence. XLA:CPU merges such step-end all-reduces; the TPU
+    compiler keeps them apart past its combine threshold (ViT-B/16's DP×TP: 2 over data)."""
+    out, notes = dict(measured), []
+    for key, want in expected.items():
+        got = measured.get(key, {})
+        few, most, have = _sum(want), _sum(unfused.get(key, {})), _sum(got)
+        same_bytes = set(got) <= set(want) and all(
+            _agree(Tally(0, w.bytes_sent), Tally(0, got[p].bytes_sent), rtol)
+            for p, w in want.items() if p in got
+        )  # fmt: skip
+        if few.count < have.count <= most.count and same_bytes:
+            out[key] = {p: Tally(want[p].count, t.bytes_sent) for p, t in got.items()}
+            notes.append(f"{key[0]} over {','.join(key[1])}: {have.count} ops where the "
+                         f"contract fuses them into {few.count}, the same bytes")  # fmt: skip
+    return out, notes
 
 
 def compare_patterns(

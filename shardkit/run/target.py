@@ -75,15 +75,20 @@ def prepare_environment() -> None:
 def uncached() -> Iterator[None]:
     """Compiles in this block skip JAX's persistent compilation cache: an executable compiled
     for a topology (no chip) cannot be read back from it ("PjRtCompiler must be constructed
-    with a Client"), so a second compile of the same step would fail where it should hit."""
+    with a Client"), so a second compile of the same step would fail where it should hit. JAX
+    decides once per process whether it uses the cache; ``reset_cache`` makes it decide again,
+    on the way in and out."""
     import jax
+    from jax.experimental.compilation_cache import compilation_cache
 
     before = getattr(jax.config, "jax_enable_compilation_cache")  # noqa: B009 (untyped attr)
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", before)
+        compilation_cache.reset_cache()
 
 
 @contextlib.contextmanager

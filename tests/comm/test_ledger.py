@@ -753,3 +753,34 @@ def test_a_dilated_padded_convolution_counts_the_pairs_that_read_an_input():
     pairs = sum(0 <= o * 2 + w - 2 <= last and (o * 2 + w - 2) % 2 == 0
                 for o in range(outputs) for w in range(3))  # fmt: skip
     assert got.flops == 2 * 4 * 2 * pairs
+
+
+def test_fused_collectives_a_compiler_kept_apart_are_named_not_failed():
+    """Two step-end all-reduces the contract fuses into one (XLA:CPU's combiner), kept apart
+    by the compiler with the same bytes: a mismatch by default; with ``apart_ok`` (the TPU
+    compiler, past its combine threshold) held as fused and named. A third op, or other bytes,
+    still fail."""
+    from shardkit.comm.ledger import GROUPS
+    from shardkit.comm.report import Report
+    from shardkit.comm.terms import Expectation, Term
+
+    def op(name: str, sent: float) -> Collective:
+        return Collective(kind="all-reduce", group_size=2, axes=("data",), shapes=((4,),),
+                          dtypes=("f32",), result_bytes=16, bytes_sent=sent, count=1,
+                          name=name, op_name="", source="", computation="main",
+                          pattern=GROUPS)  # fmt: skip
+
+    terms = (Term("all-reduce", ("data",), 1, 12.0, fused="end"),
+             Term("all-reduce", ("data",), 1, 4.0, fused="end"))  # fmt: skip
+    apart = Ledger((op("ar.1", 12.0), op("ar.2", 4.0)))
+    assert not Report(apart, Expectation(terms)).contract_ok
+    held = Report(apart, Expectation(terms), apart_ok=True)
+    assert held.contract_ok and held.kept_apart == [
+        "all-reduce over data: 2 ops where the contract fuses them into 1, the same bytes"
+    ]
+    (row,) = held.rows
+    assert (row.count, row.held_count, row.ok) == (2, 1, True)  # the table shows what ran
+    three = Ledger((op("ar.1", 8.0), op("ar.2", 4.0), op("ar.3", 4.0)))
+    assert not Report(three, Expectation(terms), apart_ok=True).contract_ok
+    more = Ledger((op("ar.1", 12.0), op("ar.2", 8.0)))
+    assert not Report(more, Expectation(terms), apart_ok=True).contract_ok
