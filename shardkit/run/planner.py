@@ -20,8 +20,9 @@ Three steps, each a function here:
 The estimate (``Estimate.step_s``) is compute + exposed communication:
 
 - compute: the busiest chip's matmul FLOPs at the train-step throughput one chip of that kind
-  reaches (``CHIPS``: measured on a v5e; other kinds at the v5e's fraction of their peak,
-  marked assumed), divided by 1 − the pipeline's bubble (``Schedule.bubble``);
+  reaches on a step of that size (``Chip.step_flops``: measured on a v5e, 71 to 124 TFLOP/s
+  from ViT-B/16 to H/14 steps, layers as a scan; other kinds scaled by their peak, marked
+  assumed), divided by 1 − the pipeline's bubble (``Schedule.bubble``);
 - communication: each collective's bytes sent per chip over one bidirectional ICI ring (two
   links, one each way, ``Chip.link_bytes`` each), collectives one after another; a collective
   with a matmul scheduled between its start and done counts as hidden (0 s).
@@ -37,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import math
 import pathlib
@@ -53,30 +55,54 @@ from shardkit.run import target as tgt
 ADAMW_STATE = 2  # AdamW's moments, float32 like the params
 
 
+# One v5e's train-step throughput, measured with the ``device`` tool
+# (docs/measure/tpu_planner_check.sh; results/planner_*.json): (matmul FLOPs per step, as
+# ``Ledger.flops`` counts them, recompute included; seconds per step) of shardkit's ViT, bf16,
+# layers as a scan: B/16 batch 32; H/14 batch 8 (remat dots, full); L/16 batch 32 (dots); H/14
+# batch 32 (full). Bigger steps keep the MXU busier: 71 to 124 TFLOP/s.
+V5E_SCAN_STEPS = ((3.347e12, 0.04688), (8.081e12, 0.09538), (9.799e12, 0.09983),
+                  (11.868e12, 0.13096), (39.195e12, 0.31739))  # fmt: skip
+# The same B/16 step with its layers unrolled: 35.27 ms, 1.33x the scan's throughput.
+UNROLLED_GAIN = 0.04688 / 0.03527
+V5E_PEAK = 197e12
+
+
 @dataclasses.dataclass(frozen=True)
 class Chip:
     """What the estimate takes from a chip kind."""
 
     peak_flops: float  # vendor bf16 FLOP/s
-    step_flops: float  # matmul FLOP/s of a ViT train step on one chip
-    step_source: str
     link_bytes: float  # ICI bytes/s, one direction, per link
+    measured: bool  # its step throughput was measured (else the v5e's, scaled by peak)
+
+    def step_flops(self, flops: float, layers: str = "scan") -> float:
+        """Matmul FLOP/s one chip reaches on a ViT train step of ``flops`` per chip with its
+        layers as ``layers``: the v5e's measured steps (``V5E_SCAN_STEPS``) interpolated in log
+        FLOPs and clamped at their ends, unrolled layers ``UNROLLED_GAIN`` faster, another
+        kind's scaled by its peak."""
+        points = sorted((math.log(f), f / s) for f, s in V5E_SCAN_STEPS)
+        x = math.log(max(flops, 1.0))
+        rate = points[0][1] if x <= points[0][0] else points[-1][1]
+        for (x0, r0), (x1, r1) in itertools.pairwise(points):
+            if x0 <= x <= x1:
+                rate = r0 + (r1 - r0) * (x - x0) / (x1 - x0)
+        gain = UNROLLED_GAIN if layers == "unrolled" else 1.0
+        return rate * gain * self.peak_flops / V5E_PEAK
+
+    @property
+    def source(self) -> str:
+        how = "measured on one v5e" if self.measured else "the v5e's, scaled by peak: assumed"
+        return f"ViT train steps {how}; docs/measure/tpu_planner_check.sh"
 
 
-# v5e, measured with the ``device`` tool: ViT-B/16 (224 px, bf16, batch 32, unrolled, AdamW)
-# runs its 3.347e12 matmul FLOPs (``Ledger.flops``) in 28.8 ms
-# (docs/measure/results/tpu_v5e_chip_kernel_jnp.json): 116e12 FLOP/s, 0.589 of the peak.
-_V5E_FRACTION = 3.347e12 / 0.028833 / 197e12
-_MEASURED = "measured: ViT-B/16, batch 32, bf16, one v5e"
-_ASSUMED = "assumed: the v5e's measured 0.589 of peak"
 # ICI per link and direction, from "How to Scale Your Model" (jax-ml.github.io/scaling-book).
 CHIPS = {
-    "TPU v5 lite": Chip(197e12, 197e12 * _V5E_FRACTION, _MEASURED, 4.5e10),
-    "TPU v5e": Chip(197e12, 197e12 * _V5E_FRACTION, _MEASURED, 4.5e10),
-    "TPU v4": Chip(275e12, 275e12 * _V5E_FRACTION, _ASSUMED, 4.5e10),
-    "TPU v5": Chip(459e12, 459e12 * _V5E_FRACTION, _ASSUMED, 9e10),
-    "TPU v5p": Chip(459e12, 459e12 * _V5E_FRACTION, _ASSUMED, 9e10),
-    "TPU v6 lite": Chip(918e12, 918e12 * _V5E_FRACTION, _ASSUMED, 9e10),
+    "TPU v5 lite": Chip(V5E_PEAK, 4.5e10, True),
+    "TPU v5e": Chip(V5E_PEAK, 4.5e10, True),
+    "TPU v4": Chip(275e12, 4.5e10, False),
+    "TPU v5": Chip(459e12, 9e10, False),
+    "TPU v5p": Chip(459e12, 9e10, False),
+    "TPU v6 lite": Chip(918e12, 9e10, False),
 }
 
 
@@ -237,7 +263,8 @@ def analytic(cfg: vit_ref.ViTConfig, plan: Plan, batch: int, chip: Chip) -> Esti
         cost.expected(cfg, plan, batch, platform="tpu", stage=s).total_bytes_sent() for s in stages
     )
     return Estimate(
-        plan, flops / chip.step_flops / (1 - bubble), sent / (2 * chip.link_bytes), 0.0, bubble,
+        plan, flops / chip.step_flops(flops, plan.layers) / (1 - bubble),
+        sent / (2 * chip.link_bytes), 0.0, bubble,
         sent,
     )  # fmt: skip
 
@@ -315,7 +342,7 @@ def from_facts(cfg: vit_ref.ViTConfig, plan: Plan, found: dict[str, Any], chip: 
     exposed = found["bytes_sent"] - found["hidden_bytes"]
     return Estimate(
         plan,
-        found["flops"] / chip.step_flops / (1 - bubble),
+        found["flops"] / chip.step_flops(found["flops"], plan.layers) / (1 - bubble),
         exposed / ring,
         found["hidden_bytes"] / ring,
         bubble,
@@ -510,8 +537,10 @@ def header(r: Ranking, cfg: vit_ref.ViTConfig) -> str:
     return (
         f"{r.topology}: {r.device_kind}; ViT dim={cfg.dim} depth={cfg.depth} heads={cfg.heads} "
         f"tokens={cfg.num_tokens} {cfg.dtype}, batch {r.batch}. Compute at "
-        f"{c.step_flops / 1e12:.0f} TFLOP/s per chip ({c.step_source}), each collective over "
-        f"one ICI ring at {2 * c.link_bytes / 1e9:.0f} GB/s per chip."
+        f"{c.step_flops(V5E_SCAN_STEPS[0][0]) / 1e12:.0f}-"
+        f"{c.step_flops(V5E_SCAN_STEPS[-1][0]) / 1e12:.0f} TFLOP/s per chip by step size "
+        f"({c.source}), each collective over one ICI ring at {2 * c.link_bytes / 1e9:.0f} GB/s "
+        "per chip."
     )
 
 
@@ -556,7 +585,7 @@ def to_json(r: Ranking) -> dict[str, Any]:
     return {
         "topology": r.topology,
         "device_kind": r.device_kind,
-        "chip": dataclasses.asdict(r.chip),
+        "chip": dataclasses.asdict(r.chip) | {"source": r.chip.source},
         "batch": r.batch,
         "compiled": [e.to_json(r.batch) for e in r.compiled],
         "analytic": [e.to_json(r.batch) for e in r.analytic],

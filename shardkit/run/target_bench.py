@@ -62,7 +62,7 @@ def run(
                      "shardkit": _json(ours, batch), "auto": _json(auto, batch)})  # fmt: skip
     return {"topology": topology, "device_kind": kind, "flags": flags, "batch": batch,
             "model": dataclasses.asdict(cfg),
-            "chip_step_flops": chip.step_flops, "rows": rows}  # fmt: skip
+            "chip": chip.source, "rows": rows}  # fmt: skip
 
 
 def _json(e: planner.Estimate, batch: int) -> dict[str, Any]:
@@ -97,8 +97,9 @@ def _cells(row: dict[str, Any]) -> list[str]:
 def format_table(result: dict[str, Any], markdown: bool = False) -> str:
     """The rows as ``bench --target`` prints them, under a line naming the slice."""
     lines = [f"{result['topology']} ({result['device_kind']}, libtpu flags {result['flags']}): "
-             f"compiled, not run; ms estimated at {result['chip_step_flops'] / 1e12:.0f} TFLOP/s "
-             "per chip plus the exposed bytes over one ICI ring", ""]  # fmt: skip
+             "compiled, not run; ms estimated from the matmul FLOPs at the chip's step "
+             f"throughput ({result['chip']}) plus the exposed bytes over one ICI ring",
+             ""]  # fmt: skip
     body = [_cells(row) for row in result["rows"]]
     lines += bench.table_lines(COLUMNS, body, markdown)
     errors = [(r["strategy"], who, r[who]["error"]) for r in result["rows"]
