@@ -121,7 +121,7 @@ def _check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 def variant(name: str, **overrides: Any) -> ViTConfig:
-    """Config for a named variant ("mu", "Ti/16", "S/16", "B/16", "L/16", "H/14"), fields overridable.
+    """Config for a named variant (``VARIANT_NAMES``: "mu", "Ti/16" ... "H/14"), overridable.
 
     "X/p" sets the patch size to p; the big variants default to 224px images and 1000 classes,
     "mu" to 32px images, patch 8 and 10 classes.
