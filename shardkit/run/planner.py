@@ -20,7 +20,7 @@ Three steps, each a function here:
 The estimate (``Estimate.step_s``) is compute + exposed communication:
 
 - compute: the busiest chip's matmul FLOPs at the train-step throughput one chip of that kind
-  reaches on a step of that size (``Chip.step_flops``: measured on a v5e, 71 to 124 TFLOP/s
+  reaches on a step of that size (``Chip.step_flops``: measured on a v5e, 71 to 123 TFLOP/s
   from ViT-B/16 to H/14 steps, layers as a scan; other kinds scaled by their peak, marked
   assumed), divided by 1 − the pipeline's bubble (``Schedule.bubble``);
 - communication: each collective's bytes sent per chip over one bidirectional ICI ring (two
@@ -59,7 +59,7 @@ ADAMW_STATE = 2  # AdamW's moments, float32 like the params
 # (docs/measure/tpu_planner_check.sh; results/planner_*.json): (matmul FLOPs per step, as
 # ``Ledger.flops`` counts them, recompute included; seconds per step) of shardkit's ViT, bf16,
 # layers as a scan: B/16 batch 32; H/14 batch 8 (remat dots, full); L/16 batch 32 (dots); H/14
-# batch 32 (full). Bigger steps keep the MXU busier: 71 to 124 TFLOP/s.
+# batch 32 (full). Bigger steps keep the MXU busier: 71 to 123 TFLOP/s.
 V5E_SCAN_STEPS = ((3.347e12, 0.04688), (8.081e12, 0.09538), (9.799e12, 0.09983),
                   (11.868e12, 0.13096), (39.195e12, 0.31739))  # fmt: skip
 # The same B/16 step with its layers unrolled: 35.27 ms, 1.33x the scan's throughput.
@@ -193,6 +193,7 @@ def state_bytes(cfg: vit_ref.ViTConfig, plan: Plan) -> float:
     return held + ADAMW_STATE * params / (data if plan.zero >= 1 else 1)
 
 
+@functools.cache
 def _param_count(cfg: vit_ref.ViTConfig) -> int:
     import jax
 
