@@ -96,7 +96,7 @@ def test_inspect_table(capsys):
         ),
         (["--mesh", "seq=8", "--sp", "usp", "--ulysses", "3"], "Ulysses degree 3"),
         (["--sp", "bogus"], "invalid choice: 'bogus'"),
-        (["--variant", "H/14"], "Unknown ViT variant 'H/14'"),
+        (["--variant", "G/14"], "Unknown ViT variant 'G/14'"),
         (["--image", "30"], "image=30 is not divisible by ViTConfig.patch=4"),
         (["--mesh", "data=4,stage=2"], "The mesh has stage=2 but no pipeline schedule"),
         (["--mesh", "data=8", "--pp", "1f1b"], "--pp 1f1b needs a stage axis of size > 1"),
