@@ -26,6 +26,7 @@ MODEL_FLAGS = ("image", "patch", "channels", "classes", "dim", "depth", "heads",
 # are 16 patches + a class token = 17 tokens.
 TRAIN_MODEL = dict(patch=2, dim=64, depth=2, heads=8, mlp_dim=128, pool="tok")
 LM_BATCH = 8  # the GPT's default global batch (of 64-token windows)
+TPU_FLAG_SETS = ("default", "maxtext")  # run.target.TPU_FLAGS's names (--tpu-flags)
 
 
 class UsageError(Exception):
@@ -112,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile for a TPU slice, e.g. v5e:2x4 (needs libtpu: shardkit[tpu]; no chip): "
         "the TPU compiler's collectives, and the memory against the chip's HBM",
     )
-    inspect.add_argument("--tpu-flags", choices=("default", "maxtext"),
+    inspect.add_argument("--tpu-flags", choices=TPU_FLAG_SETS,
                          help="with --target: libtpu's flags (maxtext: MaxText's v5e overlap "
                          "flags; default: libtpu's own)")  # fmt: skip
     _add_train_parser(sub)

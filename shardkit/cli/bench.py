@@ -13,6 +13,7 @@ from typing import Any
 
 from shardkit.cli import (
     MODEL_FLAGS,
+    TPU_FLAG_SETS,
     UsageError,
     add_model_opts,
     add_plan_opts,
@@ -49,7 +50,7 @@ def add_parser(sub: Any) -> None:
     pod.add_argument("--target", metavar="TOPOLOGY", help="compile each strategy's step, "
                      "shardkit's and XLA auto's, for a TPU slice (e.g. v5e:2x4; needs libtpu): "
                      "bytes, hidden share, memory, estimated ms")  # fmt: skip
-    pod.add_argument("--tpu-flags", choices=("default", "maxtext"),
+    pod.add_argument("--tpu-flags", choices=TPU_FLAG_SETS,
                      help="with --target: libtpu's flags (maxtext: MaxText's v5e overlap "
                      "flags)")  # fmt: skip
     att = bench.add_argument_group("one device's attention (--attention)")

@@ -9,7 +9,7 @@ import pathlib
 import sys
 from typing import Any
 
-from shardkit.cli import MODEL_FLAGS, UsageError, add_model_opts, model_config
+from shardkit.cli import MODEL_FLAGS, TPU_FLAG_SETS, UsageError, add_model_opts, model_config
 from shardkit.mesh import KERNELS, LAYER_LOOPS, REMAT_POLICIES
 
 
@@ -23,11 +23,11 @@ def add_parser(sub: Any) -> None:
     add_model_opts(plan, 256, "B/16, bfloat16, unless --variant or sizes are given")
     plan.add_argument("--target", metavar="TOPOLOGY", required=True,
                       help="the TPU slice, e.g. v5e:2x4 or v5e:16x16 (needs libtpu)")  # fmt: skip
-    plan.add_argument("--tpu-flags", choices=("default", "maxtext"), default="default",
+    plan.add_argument("--tpu-flags", choices=TPU_FLAG_SETS, default="default",
                       help="libtpu's flags (maxtext: MaxText's v5e overlap flags)")  # fmt: skip
     plan.add_argument("--keep", type=int, default=4, metavar="K",
                       help="compile the best plans on paper until K fit (default 4; 0: rank on "
-                      "paper only); at most 3K compiles")  # fmt: skip
+                      "paper only); at most 4K compiles")  # fmt: skip
     plan.add_argument("--remat", choices=REMAT_POLICIES,
                       help="every plan's recompute policy (default: none, and a plan out of HBM "
                       "is compiled again with dots, then full)")  # fmt: skip

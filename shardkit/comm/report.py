@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from shardkit.comm.ledger import KINDS, Ledger, Narrowing, Tally, shown_patterns, spanning
-from shardkit.comm.terms import Expectation, compare, compare_patterns, kept_apart
+from shardkit.comm.terms import Expectation, compare, compare_patterns, kept_apart, total
 
 Key = tuple[str, tuple[str, ...]]
 RTOL = 0.01  # bytes may differ by 1% (the contract); counts must be equal
@@ -115,7 +115,7 @@ class Report:
         exact = self.expectation.exact
         return tuple(
             Row(k[0], k[1], *_pair(got.get(k, zero)), *_pair(want.get(k, zero)), exact,
-                got_p.get(k, {}), want_p.get(k, {}), _total(got_p.get(k, {})).count)
+                got_p.get(k, {}), want_p.get(k, {}), total(got_p.get(k, {})).count)
             for k in keys
         )  # fmt: skip
 
@@ -143,7 +143,7 @@ class Report:
         e, led = self.expectation, self.ledger
         got = self._measured()[0]
         own = _inexact_counts(led)
-        own += compare(e.summary(), {k: _total(by) for k, by in got.items()}, RTOL, exact=e.exact)
+        own += compare(e.summary(), {k: total(by) for k, by in got.items()}, RTOL, exact=e.exact)
         own += compare_patterns(e.patterns(), got, led.collectives, RTOL)
         if not self.others:
             return own
@@ -247,10 +247,6 @@ def _inexact_counts(ledger: Ledger) -> list[str]:
         f"{len(unknown)} collective(s) ({where}) run in a loop whose trip count could not be "
         "read (counted once), so counts and bytes cannot be held to the contract."
     ]
-
-
-def _total(by: dict[str, Tally]) -> Tally:
-    return Tally(sum(t.count for t in by.values()), sum(t.bytes_sent for t in by.values()))
 
 
 def _pair(t: Tally) -> tuple[int, float]:

@@ -82,7 +82,7 @@ class Expectation:
 
     def summary(self) -> dict[Key, Tally]:
         """(kind, axes) -> op executions and bytes sent per device (fused ops once)."""
-        return {key: _sum(by) for key, by in self.patterns().items()}
+        return {key: total(by) for key, by in self.patterns().items()}
 
     def patterns(self) -> dict[Key, dict[str, Tally]]:
         """``summary`` split by pattern: (kind, axes) -> pattern -> ops and bytes."""
@@ -169,7 +169,7 @@ def kept_apart(
     out, notes = dict(measured), []
     for key, want in expected.items():
         got = measured.get(key, {})
-        few, most, have = _sum(want), _sum(unfused.get(key, {})), _sum(got)
+        few, most, have = total(want), total(unfused.get(key, {})), total(got)
         same_bytes = set(got) <= set(want) and all(
             _agree(Tally(0, w.bytes_sent), Tally(0, got[p].bytes_sent), rtol)
             for p, w in want.items() if p in got
@@ -198,7 +198,7 @@ def compare_patterns(
     for key in sorted(set(expected) & set(measured)):
         want, got = expected[key], measured[key]
         by_pattern = (_agree(want.get(p), got.get(p), rtol) for p in set(want) | set(got))
-        if not _agree(_sum(want), _sum(got), rtol) or all(by_pattern):
+        if not _agree(total(want), total(got), rtol) or all(by_pattern):
             continue
         mine = [c for c in ops if (c.kind, c.axes) == key]
         op = next((c for c in mine if c.pattern not in want), mine[0] if mine else None)
@@ -211,7 +211,8 @@ def compare_patterns(
     return problems
 
 
-def _sum(by: dict[str, Tally]) -> Tally:
+def total(by: dict[str, Tally]) -> Tally:
+    """The ops and bytes of a pattern split, summed."""
     return Tally(sum(t.count for t in by.values()), sum(t.bytes_sent for t in by.values()))
 
 

@@ -545,23 +545,15 @@ def header(r: Ranking, cfg: vit_ref.ViTConfig) -> str:
     )
 
 
-def _table(rows: list[list[str]], markdown: bool) -> list[str]:
-    if markdown:
-        return ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)] + [
-            "| " + " | ".join(row) + " |" for row in rows
-        ]
-    widths = [max(len(h), *(len(row[k]) for row in rows)) for k, h in enumerate(COLUMNS)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(COLUMNS, widths, strict=True))]
-    return lines + ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
-
-
 def format_table(r: Ranking, cfg: vit_ref.ViTConfig, markdown: bool = False, more: int = 5) -> str:
     """The ranking as the command prints it: the compiled plans, fitting ones by estimated step
     time, then the next ``more`` (10 when nothing was compiled) estimated on paper."""
     paper = r.analytic[: more if r.compiled else 2 * more]
     shown = [*r.compiled, *paper]
-    lines = [header(r, cfg), "", *_table([_row(i + 1, e, r.batch) for i, e in enumerate(shown)],
-                                         markdown), ""]  # fmt: skip
+    from shardkit.run.bench import table_lines
+
+    body = [_row(i + 1, e, r.batch) for i, e in enumerate(shown)]
+    lines = [header(r, cfg), "", *table_lines(COLUMNS, body, markdown), ""]
     best = r.best()
     if best is not None:
         step = best.step_s
