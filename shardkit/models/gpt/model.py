@@ -115,10 +115,11 @@ class GPTPlan:
 
     def schedule(self) -> schedules.Schedule:
         """The pipeline schedule (``pp`` not "none"), in the form the engine runs it: uniform
-        (``schedules.uniform``) when a ring over seq puts a ppermute inside every chunk."""
+        (``schedules.uniform``) when a ring over seq puts a ppermute inside every chunk, else
+        phased (``schedules.phased``: GPipe as built)."""
         built = schedules.build(self.pp, self.mesh["stage"], self.microbatches, self.virtual)
         ring = self.core == "ring" and self.mesh["seq"] > 1
-        return schedules.uniform(built) if ring else built
+        return schedules.uniform(built) if ring else schedules.phased(built)
 
 
 def check_plan(cfg: GPTConfig, plan: GPTPlan, batch: int) -> None:

@@ -126,10 +126,11 @@ def check_pipeline(cfg: vit_ref.ViTConfig, plan: Plan) -> None:
 
 def schedule(cfg: vit_ref.ViTConfig, plan: Plan) -> schedules.Schedule:
     """The pipeline schedule of ``plan`` (stage > 1), in the form the engine runs it: uniform
-    (``schedules.uniform``) when a ring over seq puts a ppermute inside every chunk."""
+    (``schedules.uniform``) when a ring over seq puts a ppermute inside every chunk, else
+    phased (``schedules.phased``: GPipe as built)."""
     built = schedules.build(plan.pp, plan.size("stage"), plan.microbatches, plan.virtual)
     ring = plan.size("seq") > ulysses_factor(cfg, plan)
-    return schedules.uniform(built) if ring else built
+    return schedules.uniform(built) if ring else schedules.phased(built)
 
 
 def layer_order(cfg: vit_ref.ViTConfig, plan: Plan) -> np.ndarray:

@@ -102,7 +102,9 @@ def pipeline_grads(
       uniform: run the uniform form (``schedules.uniform``: the same phases on every stage,
         masked where a stage has no action) instead of per-stage branches. None: uniform
         exactly when the chunk, the embedding or the loss runs a ``ppermute``, which the
-        branch form cannot run; False with such a function is refused.
+        branch form cannot run; False with such a function is refused. Otherwise the
+        schedule runs in the form it is in: branch, or ``schedules.phased`` (per-stage
+        branches in uniform super ticks), or uniform.
 
     Returns:
       (loss, d_stage_params, d_embed_params, d_loss_params): Σ_m loss (with metrics: (Σ_m
@@ -312,15 +314,7 @@ class _Context:
 def _tick_body(ctx: _Context, send_x: bool, send_dy: bool, used: list[int]) -> Callable[..., Any]:
     """One tick: store what arrived, run the branch (among ``used``, by ``branch_index``),
     send."""
-    kinds = frozenset(int(branch_parts(b)[0]) for b in used if b != IDLE)
-    every: list[Callable[..., Branch]] = [functools.partial(_idle, kinds=kinds)]
-    every += [
-        functools.partial(fn, first=first, last=last, kinds=kinds)
-        for fn in (_forward, _backward, _weights)
-        for first in (False, True)
-        for last in (False, True)
-    ]
-    branches = [_scoped(every[i], i) for i in used]
+    branches = _branches(used)
 
     def body(state: dict[str, Any], rows: dict[str, jax.Array]) -> tuple[dict[str, Any], None]:
         row = {k: v[ctx.stage] for k, v in rows.items()}
@@ -332,6 +326,21 @@ def _tick_body(ctx: _Context, send_x: bool, send_dy: bool, used: list[int]) -> C
         return _send(ctx, state, (out_x, send_x), (out_dy, send_dy)), None
 
     return body
+
+
+def _branches(used: list[int]) -> list[Callable[..., Branch]]:
+    """The switch's branches for the ``branch_index`` values ``used`` (idle first), each
+    writing the fields of every kind among them (one switch, one writes structure)."""
+    kinds = frozenset(int(branch_parts(b)[0]) for b in used if b != IDLE)
+    fns = (_forward, _backward, _weights)
+
+    def branch(b: int) -> Callable[..., Branch]:
+        if b == IDLE:
+            return _scoped(functools.partial(_idle, kinds=kinds), b)
+        kind, first, last = branch_parts(b)
+        return _scoped(functools.partial(fns[kind], first=first, last=last, kinds=kinds), b)
+
+    return [branch(b) for b in used]
 
 
 def _arrivals(state: dict[str, Any], row: Row) -> dict[str, Any]:
@@ -358,34 +367,28 @@ def _send(
 def _uniform_segment(
     ctx: _Context, tab: Tables, span: tuple[int, int], send_x: bool, send_dy: bool
 ) -> tuple[Callable[..., Any], dict[str, Any]]:
-    """The uniform form's scan body over super ticks [start, stop) and what it scans: the
-    tables [ticks, P, S] and per phase the variant every stage runs (its switch position)."""
+    """The scan body over super ticks [start, stop) and what it scans: the tables [ticks, P,
+    S] and per phase each stage's switch position. Uniform form (``tab.masked``): every stage
+    runs the phase's variant (``Tables.variants``) on its own table entry and masks what is
+    not its own. Phased form: every stage runs its own branch, idle phases nothing."""
     start, stop = span
     period = tab.period
     ticks = stop - start  # not −1: a table may have no permute column (one stage)
     rows = {k: v.reshape(ticks, period, *v.shape[1:]) for k, v in tab.rows(start, stop).items()}
-    variants = tab.variants[start:stop]
-    used = [sorted({IDLE, *np.unique(variants[:, p]).tolist()}) for p in range(period)]
-    position = np.stack([np.searchsorted(u, variants[:, p]) for p, u in enumerate(used)], 1)
-    fns = (_forward, _backward, _weights)
-
-    def branch(b: int, kinds: frozenset[int]) -> Callable[..., Branch]:
-        kind, first, last = branch_parts(b)
-        return _scoped(functools.partial(fns[kind], first=first, last=last, kinds=kinds), b)
-
-    def phase(u: list[int]) -> list[Callable[..., Branch]]:
-        kinds = frozenset(int(branch_parts(b)[0]) for b in u[1:])
-        return [functools.partial(_idle, kinds=kinds)] + [branch(b, kinds) for b in u[1:]]
-
-    phases = [phase(u) for u in used]
+    picks = tab.variants[start:stop] if tab.masked else rows["branch"]  # [ticks, P(, S)]
+    used = [sorted({IDLE, *np.unique(picks[:, p]).tolist()}) for p in range(period)]
+    position = np.stack([np.searchsorted(u, picks[:, p]) for p, u in enumerate(used)], 1)
+    phases = [_branches(u) for u in used]
 
     def body(state: dict[str, Any], xs: dict[str, Any]) -> tuple[dict[str, Any], None]:
         state = _arrivals(state, {k: v[0, ctx.stage] for k, v in xs["rows"].items()})
         out = {}
         for p, kind in enumerate(ctx.schedule.phases):
-            row = _stage_masks({k: v[p, ctx.stage] for k, v in xs["rows"].items()})
+            row = {k: v[p, ctx.stage] for k, v in xs["rows"].items()}
+            at = xs["position"][p]
+            row, at = (_stage_masks(row), at) if tab.masked else (row, at[ctx.stage])
             branches = [functools.partial(b, ctx) for b in phases[p]]
-            writes, out_x, out_dy = jax.lax.switch(xs["position"][p], branches, state, row)
+            writes, out_x, out_dy = jax.lax.switch(at, branches, state, row)
             state = apply(state, writes)
             out[kind] = out_x if kind == "F" else out_dy
         return _send(ctx, state, (out["F"], send_x), (out["B"], send_dy)), None

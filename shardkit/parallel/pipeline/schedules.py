@@ -16,6 +16,8 @@ M microbatches pass every chunk forward (F) then backward. A schedule is a table
                            backward split as in ZB-H1
   uniform(schedule)        any of them re-timed into super ticks of fixed phases, for the
                            engine's uniform form (a ``ppermute`` inside a chunk)
+  phased(schedule)         the same super ticks, each stage on its own branch per phase: the
+                           engine's form for schedules that mix F and B (no ``ppermute``)
 
 Every action takes one tick (the papers' unit-time model: a tick is one chunk's F, B or W; an
 unsplit backward B also computes W). The tables are produced by one simulator
@@ -74,6 +76,9 @@ class Schedule:
       period: 1 for the branch form (a tick is one action per stage); P > 1 for the uniform
         form (``uniform``): tick t·P + p is phase p of super tick t and holds only actions of
         kind ``phases[p]``; data sent in a super tick arrives at the start of the next.
+      masked (period > 1): True, the uniform form (every stage runs each phase some stage
+        runs, masked where the action is not its own); False, the phased form (``phased``:
+        the same super ticks, each stage on its own branch per phase, idle phases skipped).
     """
 
     name: str
@@ -83,6 +88,7 @@ class Schedule:
     split: bool
     grid: Grid
     period: int = 1
+    masked: bool = True
 
     @property
     def phases(self) -> tuple[str, ...]:
@@ -293,7 +299,7 @@ def uniform(schedule: Schedule) -> Schedule:
     it fills no bubble). GPipe stays GPipe: no backward passes a forward.
     """
     if schedule.period != 1:
-        return schedule
+        return dataclasses.replace(schedule, masked=True)
     S = schedule.stages
     orders = [
         [(a.kind, a.micro, a.virtual) for row in schedule.grid if (a := row[s]) and a.kind != "W"]
@@ -304,6 +310,22 @@ def uniform(schedule: Schedule) -> Schedule:
     out = dataclasses.replace(schedule, grid=grid, period=len(schedule.phases))
     out.check()
     return out
+
+
+def phased(schedule: Schedule) -> Schedule:
+    """``schedule`` in the phased form: ``uniform``'s super ticks (F, B, then W if split),
+    each stage on its own branch per phase, an idle phase computing nothing.
+
+    For chunks without a ``ppermute`` (the branch form's condition). It pairs a forward and
+    a backward in one super tick on every stage, where the branch form pairs one stage's
+    forward with its neighbour's backward in one tick and waits for the slower: with the
+    stages in lock step (a tick's permutes), 1F1B's steady tick then costs a backward on
+    every stage instead of a forward plus a backward over two ticks. GPipe is the same in
+    both forms (its ticks run one kind), so it is returned as is.
+    """
+    if schedule.name == "gpipe" and schedule.period == 1:
+        return schedule
+    return dataclasses.replace(uniform(schedule), masked=False)
 
 
 def bubble_formula(name: str, stages: int, micro: int, virtual: int = 1) -> float:

@@ -62,6 +62,8 @@ class Tables:
     tick t). variants [super ticks, P] (uniform form): per phase, the ``branch_index`` every
     stage runs (its kind, with the first / last chunk parts if some stage needs them; each
     stage masks what is not its own), 0 where no stage acts and the phase is skipped.
+    masked: the schedule's (period > 1: uniform form if True, phased form if False, where
+    each stage runs its own ``branch`` per phase and ``variants`` is unused).
     """
 
     branch: np.ndarray
@@ -85,6 +87,7 @@ class Tables:
     dy_pairs: tuple[tuple[tuple[int, int], ...], ...] = ()
     x_local: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 1), np.int32))
     dy_local: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 1), np.int32))
+    masked: bool = True
 
     def rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
         """The tables of (super) ticks [start, stop): [ticks·period, S] each (x_local and
@@ -188,7 +191,7 @@ def tables(schedule: Schedule) -> Tables:
         branch, micro, virtual, t["stash"], t["x_in"], t["dy_in"], t["w_stash"], x_arrive,
         dy_arrive, x_moves.sends, dy_moves.sends, sizes["stash"], sizes["x"], sizes["dy"],
         sizes["w"], schedule.period, _variants(schedule, branch), x_moves.permutes,
-        dy_moves.permutes, t["x_local"], t["dy_local"],
+        dy_moves.permutes, t["x_local"], t["dy_local"], schedule.masked,
     )  # fmt: skip
 
 
@@ -266,13 +269,13 @@ def branch_runs(schedule: Schedule) -> dict[tuple[int, int], np.ndarray]:
     """(segment k, branch b) -> runs per stage [S]: how many ticks of segment k each stage
     spends in branch b (``pipeline_grads``'s segments and ``branch_index``), and the segment
     lengths under key (k, −1). Uniform form: how many super ticks run variant b (the same on
-    every stage)."""
+    every stage); phased form: how many phases each stage spends in branch b."""
     tab = tables(schedule)
     out: dict[tuple[int, int], np.ndarray] = {}
     for k, (start, stop, _, _) in enumerate(tab.segments()):
         out[(k, -1)] = np.full(schedule.stages, stop - start)
-        if tab.period == 1:
-            rows = tab.branch[start:stop]
+        if tab.period == 1 or not tab.masked:
+            rows = tab.rows(start, stop)["branch"]
             for b in np.unique(rows).tolist():
                 out[(k, b)] = (rows == b).sum(axis=0)
             continue
@@ -288,11 +291,11 @@ def chunk_runs(schedule: Schedule, stage: int) -> dict[str, int]:
     gradient half; "first": the embedding's forward, "first_grad": its backward (in B, or W
     if split); "last": the loss with its gradient. Branch form: the stage's own actions (M·V
     of each kind; the ends M times, on the stages holding the first / last chunk: 0 and S − 1,
-    or 0 for both in ZBV). Uniform form: every
-    phase some stage runs, since each runs on every device (the ends whenever some stage
-    needs them). A cost model scales its per-chunk terms by these.
+    or 0 for both in ZBV), and so in the phased form. Uniform form: every phase some stage
+    runs, since each runs on every device (the ends whenever some stage needs them). A cost
+    model scales its per-chunk terms by these.
     """
-    if schedule.period == 1:
+    if schedule.period == 1 or not schedule.masked:
         kinds = [a.kind for row in schedule.grid if (a := row[stage]) is not None]
         first = schedule.micro if schedule.place(0)[0] == stage else 0
         last = schedule.micro if schedule.place(schedule.chunks - 1)[0] == stage else 0
