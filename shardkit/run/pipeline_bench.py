@@ -6,8 +6,11 @@ process: GPipe, 1F1B, interleaved (V = 2, where the layers split into 2·S chunk
 divides M) and ZB-H1 (where M ≥ S). Rounds are interleaved (machine noise hits every
 schedule alike); each step is timed to completion. Per row:
 
-  ticks, bubble    from the schedule's table (``Schedule.ticks``, ``Schedule.bubble``: idle
-                   over all slots, in ticks of one F, B or W)
+  form             how the engine runs it (``Schedule.form``): GPipe in the branch form, the
+                   schedules that mix F and B phased, any with a ring inside a chunk uniform
+  ticks, bubble    from that form's table (``Schedule.ticks``, ``Schedule.bubble``: idle over
+                   all slots, in ticks of one F, B or W; a phased or uniform super tick is
+                   one tick per phase)
   ms               median and min step time
   matmul GFLOP     the busiest stage's, read from the compiled step (``Ledger.flops`` with
                    each branch counted by that stage's ticks: ``staged.stage_ledger``)
@@ -120,6 +123,7 @@ def _row(c: bench.Contender, sched: Schedule) -> dict[str, Any]:
     mem = c.ledger.memory
     return {
         "schedule": sched.name,
+        "form": sched.form,
         "stages": sched.stages,
         "microbatches": sched.micro,
         "virtual": sched.virtual,
@@ -138,6 +142,7 @@ def _row(c: bench.Contender, sched: Schedule) -> dict[str, Any]:
 
 COLUMNS = [  # header, key, format
     ("schedule", "schedule", "{}"),
+    ("form", "form", "{}"),
     ("M", "microbatches", "{}"),
     ("V", "virtual", "{}"),
     ("ticks", "ticks", "{}"),

@@ -101,12 +101,15 @@ def device_order(schedule: sc.Schedule) -> np.ndarray:
 
 @functools.cache
 def compiled(name: str, data: int, stages: int, model: int, micro: int, virtual: int,
-             poison: bool = False, ring: bool = False, uniform: bool | None = None):  # fmt: skip
+             poison: bool = False, ring: bool = False, uniform: bool | None = None,
+             phased: bool = False):  # fmt: skip
     """The jitted step: (chunks, embed, head, x, targets) -> (loss, grads, embed and head grads).
 
-    ``ring``: the chunk is ``ring_stage_fn`` over model (tokens split there, no TP)."""
+    ``ring``: the chunk is ``ring_stage_fn`` over model (tokens split there, no TP);
+    ``phased``: the schedule in the phased form (``schedules.phased``)."""
     mesh = mesh_of(data, stages, model)
     schedule = sc.build(name, stages, micro, virtual)
+    schedule = sc.phased(schedule) if phased else schedule
     tp = "model" if model > 1 and not ring else None
     # Hidden dims over model; a size-1 axis splits nothing and appears in no spec.
     m = tp
@@ -135,7 +138,7 @@ def compiled(name: str, data: int, stages: int, model: int, micro: int, virtual:
 
 
 def run(name, data, stages, model, micro, virtual=1, poison=False, seed=0, ring=False,
-        uniform=None):  # fmt: skip
+        uniform=None, phased=False):  # fmt: skip
     """(pipeline results, reference results), the chunks in reference order."""
     schedule = sc.build(name, stages, micro, virtual)
     virtual = schedule.virtual  # ZBV: 2
@@ -145,7 +148,7 @@ def run(name, data, stages, model, micro, virtual=1, poison=False, seed=0, ring=
     x = jnp.asarray(rng.normal(size=(micro, B * data, tokens, D_IN)), jnp.float32)
     t = jnp.asarray(rng.normal(size=(micro, B * data, tokens, D_OUT)), jnp.float32)
     order = device_order(schedule)
-    step = compiled(name, data, stages, model, micro, virtual, poison, ring, uniform)
+    step = compiled(name, data, stages, model, micro, virtual, poison, ring, uniform, phased)
     loss, grads, embed_grads, head_grads = step(
         jax.tree.map(lambda a: a[order], chunks), embed, head, x, t
     )
@@ -170,27 +173,35 @@ def pipelines(draw):
     return name, data, stages, model, micro, virtual
 
 
-@given(pipelines())
-@example(("gpipe", 2, 4, 1, 3, 1))  # M not a multiple of S
-@example(("1f1b", 1, 4, 2, 6, 1))  # TP inside each stage
-@example(("interleaved", 1, 2, 2, 4, 2))
-@example(("zb", 2, 3, 1, 5, 1))
-@example(("zbv", 2, 2, 2, 3, 1))  # the V: chunks s and 2S−1−s on stage s, TP inside
-@example(("zbv", 1, 4, 1, 4, 1))  # S > 2: two permutes each way
-def test_pipeline_equals_the_unsharded_loop(case):
-    got, want = run(*case)
+@given(pipelines(), st.booleans())
+@example(("gpipe", 2, 4, 1, 3, 1), False)  # M not a multiple of S
+@example(("1f1b", 1, 4, 2, 6, 1), False)  # TP inside each stage
+@example(("1f1b", 1, 4, 2, 6, 1), True)  # the phased form, TP inside
+@example(("interleaved", 1, 2, 2, 4, 2), True)
+@example(("zb", 2, 3, 1, 5, 1), False)
+@example(("zb", 2, 3, 1, 5, 1), True)
+@example(("zbv", 2, 2, 2, 3, 1), False)  # the V: chunks s and 2S−1−s on stage s, TP inside
+@example(("zbv", 1, 4, 1, 4, 1), True)  # S > 2: two permutes each way
+def test_pipeline_equals_the_unsharded_loop(case, phased):
+    """Branch form or phased form (``schedules.phased``), the same loss and gradients."""
+    got, want = run(*case, phased=phased)
     names = ("loss", "chunk grads", "embedding grads", "head grads")
     for name, a, b in zip(names, got, want, strict=True):
-        assert testing.max_error(a, b) <= 1e-5, (name, case)
+        assert testing.max_error(a, b) <= 1e-5, (name, case, phased)
 
 
-@pytest.mark.parametrize("name", sc.SCHEDULES)
-def test_nan_poisoned_buffers_change_nothing(name):
+FORMS = [(name, False) for name in sc.SCHEDULES] + [
+    (name, True) for name in sc.SCHEDULES if name != "gpipe"
+]  # GPipe's phased form is its branch form
+
+
+@pytest.mark.parametrize(("name", "phased"), FORMS)
+def test_nan_poisoned_buffers_change_nothing(name, phased):
     """Every buffer starts at NaN: a read of any slot the schedule did not write would carry
     NaN into the gradients. They stay finite and equal to the zero-started run, bitwise."""
     case = (name, 1, 4, 1, 8, 2 if name == "interleaved" else 1)
-    poisoned, _ = run(*case, poison=True)
-    clean, _ = run(*case)
+    poisoned, _ = run(*case, poison=True, phased=phased)
+    clean, _ = run(*case, phased=phased)
     for a, b in zip(jax.tree.leaves(poisoned), jax.tree.leaves(clean), strict=True):
         assert np.isfinite(np.asarray(a)).all()
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -244,9 +255,9 @@ def test_stash_grows_with_m_for_gpipe_only():
     assert per_micro["1f1b"] < act / 2 and per_micro["zb"] < act / 2, per_micro
 
 
-def tick_loop_copies(hlo: str) -> list[int]:
-    """Per compiled loop with a conditional in its body (a segment's ticks), the elements its
-    body copies each iteration."""
+def tick_loop_copies(hlo: str) -> list[list[tuple[int, ...]]]:
+    """Per compiled loop with a conditional in its body (a segment's ticks), the shapes of the
+    arrays its body copies each iteration."""
     bodies = {}
     for comp in re.split(r"\n\n", hlo):
         name = re.match(r"\s*(?:ENTRY )?(%[\w.\-]+)", comp)
@@ -256,20 +267,26 @@ def tick_loop_copies(hlo: str) -> list[int]:
     for body in (bodies[b] for b in re.findall(r" while\(.*?body=(%[\w.\-]+)", hlo)):
         if " conditional(" in body:
             shapes = re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} copy\(", body)
-            out.append(sum(int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes))
+            out.append([tuple(int(d) for d in s.split(",") if d) for s in shapes])
     return out
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb", "zbv"])
-def test_no_buffer_is_copied_whole_each_tick(name):
+@pytest.mark.parametrize(("name", "phased"), FORMS)
+def test_no_buffer_is_copied_whole_each_tick(name, phased):
     """A branch returns its writes instead of the updated buffers (engine ``_apply``): had the
     stash, the inboxes and the gradients gone through the ``lax.switch``, XLA would copy each
     whole every tick (10–58 activations per tick here, measured). Each tick loop copies at
-    most 4 activations (what arrives and what is sent)."""
+    most 4 activations per phase (what arrives and what is sent; a phased super tick runs 2
+    or 3 phases), and of a buffer [slots, ...] at most one slot, never the whole."""
     virtual = 2 if name in ("interleaved", "zbv") else 1
-    step = compiled(name, 1, 2, 1, 8, virtual)
-    copies = tick_loop_copies(step.lower(*step_args(2, 8, virtual)).compile().as_text())
-    assert copies and max(copies) <= 4 * B * T * D, copies
+    step = compiled(name, 1, 2, 1, 8, virtual, phased=phased)
+    schedule = sc.build(name, 2, 8, virtual)
+    period = (sc.phased(schedule) if phased else schedule).period
+    loops = tick_loop_copies(step.lower(*step_args(2, 8, virtual)).compile().as_text())
+    assert loops
+    for shapes in loops:
+        assert sum(int(np.prod(s)) for s in shapes) <= 4 * period * B * T * D, shapes
+        assert all(s[0] == 1 for s in shapes if len(s) == 4), shapes  # [slots, B, T, D]
 
 
 def test_ticks_send_one_activation_each_way():

@@ -204,6 +204,36 @@ def test_the_uniform_form_keeps_every_dependency_across_super_ticks(schedule):
             assert order(u.grid, s, kind) == order(schedule.grid, s, kind)
 
 
+def lock_step_cost(schedule):
+    """The step time of ``schedule`` as the engine runs its form on stages in lock step (each
+    tick's or super tick's permutes wait for every stage): per (super) tick, the busiest
+    stage's actions, in layer units (F = 1, an unsplit B = 2, a split B or W = 1; a chunk of
+    interleaved or ZBV is 1/V of the layers)."""
+    unit = {"F": 1, "B": 1 if schedule.split else 2, "W": 1}
+    p = schedule.period
+    return sum(
+        Fraction(max(sum(unit[a.kind] for row in ticks if (a := row[s])) for s in
+                     range(schedule.stages)), schedule.virtual)
+        for ticks in (schedule.grid[t : t + p] for t in range(0, schedule.ticks, p))
+    )  # fmt: skip
+
+
+@MANY
+@given(schedules())
+def test_the_phased_form_is_never_slower_than_gpipe_in_lock_step(schedule):
+    """``phased``: uniform's super ticks, each stage on its own branch per phase. Its lock-step
+    cost is at most GPipe's on the same S and M (the branch form's 1F1B is not: a tick pairing
+    one stage's F with another's B costs a B), and GPipe stays in the branch form."""
+    ph = sc.phased(schedule)
+    assert ph.form == ("branch" if schedule.name == "gpipe" else "phased")
+    assert set(times(ph)) == set(times(schedule))  # the same actions, re-timed
+    gpipe = lock_step_cost(sc.gpipe(schedule.stages, schedule.micro))
+    assert lock_step_cost(ph) <= gpipe
+    if schedule.name == "1f1b" and schedule.stages > 1 and schedule.micro > schedule.stages:
+        assert lock_step_cost(schedule) > gpipe  # why the branch form is not used for it
+    assert sc.uniform(ph).form == "uniform"  # a ring inside the chunks: masked phases
+
+
 @MANY
 @given(schedules())
 def test_no_uniform_schedule_is_slower_than_gpipe_and_steady_ones_hold_2s_minus_1(schedule):

@@ -23,7 +23,8 @@ def test_every_schedule_is_a_row_with_its_table_bubble_and_the_same_matmuls(caps
     assert [(r["schedule"], r["virtual"]) for r in rows] == pipeline_bench.variants(2, 4, 4)
     assert {r["schedule"] for r in rows} == set(schedules.SCHEDULES)
     for r in rows:
-        sched = schedules.build(r["schedule"], 2, 4, r["virtual"])
+        sched = schedules.phased(schedules.build(r["schedule"], 2, 4, r["virtual"]))
+        assert r["form"] == ("branch" if r["schedule"] == "gpipe" else "phased")
         assert r["bubble"] == pytest.approx(sched.bubble()) and r["ticks"] == sched.ticks
         assert r["flops"] == pytest.approx(rows[0]["flops"], rel=0.02), r
         assert r["step_s"] > 0 and r["vs_gpipe"] > 0

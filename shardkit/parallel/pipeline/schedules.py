@@ -91,6 +91,13 @@ class Schedule:
     masked: bool = True
 
     @property
+    def form(self) -> str:
+        """How the engine runs it: "branch", "phased" (``phased``) or "uniform" (``uniform``)."""
+        if self.period == 1:
+            return "branch"
+        return "uniform" if self.masked else "phased"
+
+    @property
     def phases(self) -> tuple[str, ...]:
         """The kinds a uniform super tick runs, in order (F, B and, if split, W)."""
         return KINDS if self.split else KINDS[:2]
