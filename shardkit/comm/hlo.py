@@ -165,10 +165,6 @@ def _callees(instr: Instruction, trips: int | None = None) -> list[tuple[str, in
     return out
 
 
-def _operand_names(instr: Instruction) -> list[str]:
-    return re.findall(r"%([\w.\-]+)", instr.operands)
-
-
 def _int_constant(instr: Instruction | None) -> int | None:
     if instr is None or instr.opcode != "constant" or not re.match(r"[su]\d+\[\]", instr.shape):
         return None
@@ -197,7 +193,7 @@ def loop_trip_count(
     cond = {i.name: i for i in computations.get(_callee(loop, "condition") or "", [])}
     body = computations.get(_callee(loop, "body") or "", [])
     for compare in cond.values():
-        names = _operand_names(compare)
+        names = operand_names(compare)
         if compare.opcode != "compare" or "direction=LT" not in compare.attrs or len(names) != 2:
             continue
         k, bound = _tuple_index(cond.get(names[0])), _int_constant(cond.get(names[1]))
@@ -211,10 +207,10 @@ def loop_trip_count(
 
 def _initial_element(loop: Instruction, caller: list[Instruction], k: int) -> int | None:
     by_name = {i.name: i for i in caller}
-    init = by_name.get(next(iter(_operand_names(loop)), ""))
+    init = by_name.get(next(iter(operand_names(loop)), ""))
     if init is None or init.opcode != "tuple":
         return None
-    names = _operand_names(init)
+    names = operand_names(init)
     value = by_name.get(names[k]) if k < len(names) else None
     return _int_constant(_uncopied(value, by_name))  # the TPU compiler copies the start
 
@@ -223,18 +219,18 @@ def _steps_by_one(body: list[Instruction], k: int) -> bool:
     """Whether the body's result tuple holds ``element k + 1`` at index k."""
     by_name = {i.name: i for i in body}
     tuples = [i for i in body if i.opcode == "tuple"]
-    names = _operand_names(tuples[-1]) if tuples else []  # the ROOT tuple comes last
+    names = operand_names(tuples[-1]) if tuples else []  # the ROOT tuple comes last
     step = by_name.get(names[k]) if k < len(names) else None
-    if step is None or step.opcode != "add" or len(_operand_names(step)) != 2:
+    if step is None or step.opcode != "add" or len(operand_names(step)) != 2:
         return False
-    a, b = (_uncopied(by_name.get(n), by_name) for n in _operand_names(step))
+    a, b = (_uncopied(by_name.get(n), by_name) for n in operand_names(step))
     return any(_tuple_index(x) == k and _int_constant(y) == 1 for x, y in ((a, b), (b, a)))
 
 
 def _uncopied(value: Instruction | None, by_name: dict[str, Instruction]) -> Instruction | None:
     """``value`` past any ``copy`` (the TPU compiler copies loop counters into other memory)."""
     while value is not None and value.opcode == "copy":
-        value = by_name.get(next(iter(_operand_names(value)), ""))
+        value = by_name.get(next(iter(operand_names(value)), ""))
     return value
 
 
@@ -447,21 +443,7 @@ def linked_size(pairs: tuple[tuple[int, int], ...]) -> int:
     return max(sizes.values(), default=1)
 
 
-def matmul_computations(computations: dict[str, list[Instruction]]) -> set[str]:
-    """Computations that run a matmul (``dot`` / ``convolution``), directly or through a
-    fusion they call."""
-    found = {c for c, ins in computations.items() if any(i.opcode in _MATMULS for i in ins)}
-    grew = True
-    while grew:
-        grew = False
-        for comp, instructions in computations.items():
-            if comp not in found and any(_calls_any(i, found) for i in instructions):
-                found.add(comp)
-                grew = True
-    return found
-
-
-_MATMULS = ("dot", "convolution")
+MATMULS = ("dot", "convolution")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,10 +484,10 @@ def matmul_flops(instr: Instruction, shapes: dict[str, str]) -> float | None:
     ``convolution`` (2 · result elements · kernel elements per output feature); None for any
     other instruction. ``shapes``: instruction name -> shape, in ``instr``'s computation (the
     compiled text names operands without their shapes)."""
-    if instr.opcode not in _MATMULS:
+    if instr.opcode not in MATMULS:
         return None
     (_, out), *_ = leaves(result_shape(instr))
-    names = _operand_names(instr)
+    names = operand_names(instr)
     found_shapes = [leaves(shapes[n])[0][1] for n in names[:2] if n in shapes]
     if len(found_shapes) < 2:
         return None
@@ -568,22 +550,14 @@ def _pairs(size: int, kernel: int, outputs: int, window: dict[str, tuple[int, ..
     return count
 
 
-def _calls_any(instr: Instruction, comps: set[str]) -> bool:
+def calls_any(instr: Instruction, comps: set[str]) -> bool:
+    """Whether ``instr`` calls one of ``comps`` (``calls=``, ``body=``, ...)."""
     return any(callee in comps for callee, _, _ in _callees(instr))
 
 
-def overlaps_matmul(following: list[Instruction], start: Instruction, matmuls: set[str]) -> bool:
-    """Whether a matmul is scheduled between an async ``start`` and its ``-done``:
-    ``following`` are the instructions after ``start`` in its computation's scheduled order;
-    ``matmuls`` is ``matmul_computations``. False for a synchronous collective."""
-    if not start.opcode.endswith("-start"):
-        return False
-    for instr in following:
-        if instr.opcode.endswith("-done") and start.name in _operand_names(instr):
-            return False
-        if instr.opcode in _MATMULS or _calls_any(instr, matmuls):
-            return True
-    return False
+def operand_names(instr: Instruction) -> list[str]:
+    """The instruction names ``instr`` reads."""
+    return re.findall(r"%([\w.\-]+)", instr.operands)
 
 
 def collective_kind(instr: Instruction) -> str | None:

@@ -10,8 +10,10 @@ What is counted
   and ``all-to-all``. An async pair (``all-gather-start`` / ``all-gather-done``, likewise for
   the other four) is one collective, recorded at its start. An un-sugared async wrapper
   (``async-start`` with ``calls=``) is followed into its wrapped computation and the collective
-  there is recorded. A combined op (all-reduce or all-to-all with a tuple result)
-  is one record whose bytes are the sum over the tuple.
+  there is recorded. The TPU compiler's async collective fusion (a start fusion, fusions
+  carrying it on beside compute, a done fusion, each holding a copy of the collective: see
+  ``comm.schedule``) is one collective, recorded at its start. A combined op (all-reduce or
+  all-to-all with a tuple result) is one record whose bytes are the sum over the tuple.
 
 How often: ``count``, executions per call of the program
   The call graph is followed from ``ENTRY`` through ``calls=``, ``to_apply=``, ``body=``,
@@ -65,7 +67,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from shardkit.comm import hlo
+from shardkit.comm import hlo, schedule
 from shardkit.comm.bytes import sent
 from shardkit.comm.hlo import KINDS, Matmul, parse_matmuls
 
@@ -117,7 +119,8 @@ class Collective:
       count_exact: False when an enclosing loop has no known trip count (``count`` then counts
         that loop once).
       overlapped: an async collective with a matmul scheduled between its start and done
-        (``hlo.overlaps_matmul``): its transfer can hide behind compute.
+        (``comm.schedule``; also the TPU compiler's async collective fusions): its transfer
+        can hide behind compute.
     """
 
     kind: str
@@ -464,19 +467,25 @@ def parse_hlo(text: str, mesh: AnyMesh | None = None) -> list[Collective]:
     runs = hlo.executions(computations, entry)
     num_devices = mesh.size if mesh is not None else hlo.header_devices(text)
     ctx = _Context(mesh, num_devices, hlo.stack_frames(text))
+    roles = schedule.fused_roles(computations)  # the TPU compiler's async collective fusions
     matmuls: set[str] | None = None  # found once, and only for a program with async collectives
     out = []
     for comp, instructions in computations.items():
         count, exact = runs.get(comp, (0, True))
+        if roles.get(comp) in ("continue", "done"):
+            continue  # copies of the collective its start fusion holds: recorded there
         for i, instr in enumerate(instructions if count else ()):
             kind = hlo.collective_kind(instr)
             if kind is None:
                 continue
             c = _collective(instr, kind, comp, count, exact, ctx)
-            if instr.opcode.endswith("-start"):
-                matmuls = hlo.matmul_computations(computations) if matmuls is None else matmuls
-                if hlo.overlaps_matmul(instructions[i + 1 :], instr, matmuls):
-                    c = dataclasses.replace(c, overlapped=True)
+            if instr.opcode.endswith("-start") or roles.get(comp) == "start":
+                matmuls = schedule.matmul_computations(computations) if matmuls is None else matmuls
+                if roles.get(comp) == "start":
+                    hidden = schedule.fused_overlaps(computations, comp, roles, matmuls)
+                else:
+                    hidden = schedule.overlaps_matmul(instructions[i + 1 :], instr, matmuls)
+                c = dataclasses.replace(c, overlapped=hidden)
             out.append(c)
     return out
 

@@ -370,6 +370,48 @@ def test_unsugared_async_wrapper_counts_the_wrapped_collective_once(mesh_dm):
     assert (c.kind, c.count, c.bytes_sent, c.computation) == ("all-to-all", 1, 48.0, "wrapped_a2a")
 
 
+def fused_piece(name: str, root: str) -> str:
+    """One piece of the TPU compiler's async collective fusion: its computation holds a copy
+    of the all-gather and ends in ``root``."""
+    return f"""%{name} (g: f32[4,4]) -> f32[16,4] {{
+  %g = f32[4,4]{{1,0}} parameter(0)
+  %ag = f32[16,4]{{1,0}} all-gather(%g), channel_id=1, replica_groups={{{{0,2,4,6}},{{1,3,5,7}}}}, dimensions={{0}}
+  ROOT %r = f32[16,4]{{1,0}} {root}
+}}
+"""  # noqa: E501
+
+
+MATMUL = """%matmul (m: f32[4,4]) -> f32[4,4] {
+  %m = f32[4,4]{1,0} parameter(0)
+  ROOT %d = f32[4,4]{1,0} dot(%m, %m), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+@pytest.mark.parametrize("beside", [True, False])
+def test_an_async_collective_fusion_counts_once_at_its_start(mesh_dm, beside):
+    """The TPU compiler's async collective fusion: a start fusion, a fusion carrying it on
+    beside compute, a done fusion, each with a copy of the all-gather. One collective,
+    recorded at its start; overlapped when a matmul runs between the start and the done."""
+    pieces = (
+        fused_piece("start_piece", 'custom-call(%ag), custom_call_target="AsyncCollectiveStart"')
+        + fused_piece("async_collective_fusion.1", "copy(%ag)")
+        + fused_piece("done_piece", 'custom-call(%ag), custom_call_target="AsyncCollectiveDone"')
+        + MATMUL
+    )
+    lines = [
+        "%s = f32[16,4]{1,0} fusion(%p), kind=kCustom, calls=%start_piece",
+        "%c = f32[16,4]{1,0} fusion(%s), kind=kOutput, calls=%async_collective_fusion.1",
+        "%mm = f32[4,4]{1,0} fusion(%p), kind=kOutput, calls=%matmul",
+        "%d = f32[16,4]{1,0} fusion(%c), kind=kCustom, calls=%done_piece",
+    ]
+    if not beside:  # the matmul after the done: nothing hides the transfer
+        lines[2], lines[3] = lines[3], lines[2]
+    c = only(module(*lines, computations=pieces), mesh_dm)
+    assert (c.kind, c.count, c.computation, c.bytes_sent) == ("all-gather", 1, "start_piece", 192)
+    assert c.overlapped is beside
+
+
 # --------------------------------------------------------------------------- loops and calls
 
 

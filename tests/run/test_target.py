@@ -110,12 +110,16 @@ def test_tpu_flags_need_a_target(capsys):
 def test_overlapped_megatron_sp_holds_its_contract_and_hides_its_bytes(capsys):
     """Megatron-SP with --overlap compiled for v5e:2x4 (layers unrolled): its rings of
     permutes hold the contract exactly on the TPU compiler's program, and more than half of
-    their bytes have a matmul scheduled between start and done; the plain regions hide none."""
+    their bytes have a matmul scheduled between start and done. The plain regions hold
+    their contract too (each all-gather the TPU compiler splits into an async collective
+    fusion counted once) and hide only what those fusions put beside a matmul (14%)."""
     argv = ["--mesh", "data=2,model=4", "--sp", "megatron", "--layers", "unrolled"]
     overlapped = inspect_json(capsys, *argv, "--overlap", "--heads", "4")
     assert overlapped["contract_ok"], overlapped["mismatches"]
     assert overlapped["overlapped_fraction"] > 0.5
-    assert inspect_json(capsys, *argv, "--heads", "4")["overlapped_fraction"] == 0.0
+    plain = inspect_json(capsys, *argv, "--heads", "4")
+    assert plain["contract_ok"], plain["mismatches"]
+    assert 0.0 < plain["overlapped_fraction"] < 0.25
 
 
 def test_a_plan_that_does_not_fit_is_one_sentence(capsys):

@@ -35,9 +35,10 @@ device s of the ``stage`` axis (S devices, V chunks each: chunk v·S + s; ZB-V: 
      gradients only. No equation runs in both, so ZB-H1's step does 1F1B's matmuls (the
      compiled count: ``comm.ledger.Ledger.flops``), not one more backward per microbatch.
 
-Two forms run a schedule. The branch form (the default): each tick every stage runs its own
-action as one ``lax.switch`` branch, idle ticks compute nothing, and a collective inside a
-chunk (or the embedding, or the loss) runs only on the stages that take its branch. That is
+Three forms run a schedule (``Schedule.form``). The branch form (the builders' tables): each
+tick every stage runs its own action as one ``lax.switch`` branch, idle ticks compute
+nothing, and a collective inside a chunk (or the embedding, or the loss) runs only on the
+stages that take its branch. That is
 sound for a collective whose device groups lie within one stage (``psum``, ``all_gather``,
 ``psum_scatter``, ``all_to_all`` over ``model``, ``seq`` or ``expert``: TP, Ulysses, MoE), not for a
 ``ppermute``: XLA's collective-permute is one instruction over every device of the program,
@@ -47,7 +48,12 @@ across all stages (measured on jax 0.10.2 CPU: wrong values or a rendezvous abor
 schedule re-timed into super ticks of fixed phases (F, B, then W if split); every device runs
 each phase some stage runs, with the same switch index (``Tables.variants``), on its own table
 entry, and masks what is not its own. Every collective then runs on every device at the same
-point; the price is the masked compute (``chunk_runs`` counts what each device runs).
+point; the price is the masked compute (``chunk_runs`` counts what each device runs). The
+phased form (``schedules.phased``) takes the uniform form's super ticks with the branch form's
+per-stage branches: each phase, every stage runs its own action or nothing. Where the
+branch form pairs one stage's F with its neighbour's B in one lock-step tick (which then
+costs a B), a phased super tick runs an F and a B on every stage; the models run 1F1B,
+interleaved, ZB-H1 and ZBV in it when no chunk holds a ``ppermute`` (GPipe stays branch).
 
 Buffers hold only what the schedule keeps in flight: the stash, the activation inbox, the
 cotangent inbox and the W stash each have as many slots as the busiest stage's most
