@@ -75,10 +75,11 @@ def _temp_bytes(pp: str, micro: int) -> int:
 def test_temp_memory_grows_with_m_for_gpipe_only() -> None:
     """Per-device temp bytes of the train step at S = 2 (4 examples per microbatch, so the
     batch grows with M): GPipe's stash holds all M microbatches, linear in M; 1F1B's and
-    ZB-H1's hold at most S, flat once M ≥ S has a steady state (measured, bytes: GPipe 134,000
-    / 187,248 / 294,000 at M = 2 / 4 / 8; 1F1B 134,320 / 134,384 / 134,512 at M = 4 / 8 / 16,
-    the growth being the schedule table's rows; ZB-H1 185,656 / 185,784 at M = 4 / 8). M = 16
-    is left to docs/measure/pipeline_memory.py (it drew every schedule up to M = 16)."""
+    ZB-H1's (phased: at most 2S − 1) are flat once M ≥ S has a steady state (measured, bytes:
+    GPipe 130,064 / 183,312 / 290,064 at M = 2 / 4 / 8; 1F1B 153,648 / 153,648 / 153,840 at
+    M = 4 / 8 / 16, the growth being the schedule table's rows; ZB-H1 165,944 / 166,008 at
+    M = 4 / 8). M = 16 is left to docs/measure/pipeline_memory.py (it drew every schedule up
+    to M = 16)."""
     gpipe = {m: _temp_bytes("gpipe", m) for m in (2, 4, 8)}
     # Linear: the step from 4 to 8 is twice the step from 2 to 4.
     assert gpipe[8] - gpipe[4] == pytest.approx(2 * (gpipe[4] - gpipe[2]), rel=0.25), gpipe
