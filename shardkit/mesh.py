@@ -227,7 +227,10 @@ class Plan:
         TPU backend, else jnp). It moves no bytes.
       overlap: run Megatron-SP's all-gathers and reduce-scatters as collective matmuls
         (``parallel.overlap``: ppermute rings a TPU schedules under the matmuls; the same
-        bytes in n − 1 steps). Needs sp="megatron"; not yet with remat or a pipeline.
+        bytes in n − 1 steps), and FSDP's gather of each layer one layer ahead
+        (``parallel.data.fsdp_prefetch``: the next layer's all-gather issued beside this
+        layer's compute; the same bytes, one more layer's weights held). Needs sp="megatron"
+        or FSDP; not yet with remat or a pipeline.
     """
 
     mesh: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(AXES, 1))
@@ -313,9 +316,10 @@ class Plan:
              "use --sp megatron, ring, ulysses or usp"),
             (sp == "megatron" and model == 1,
              "sp='megatron' splits tokens over the model axis, but the mesh has model=1"),
-            (self.overlap and sp != "megatron",
+            (self.overlap and sp != "megatron" and not self.fsdp,
              "--overlap runs Megatron-SP's all-gathers and reduce-scatters as collective "
-             "matmuls; it needs --sp megatron (TP, FSDP and DP overlap are not built yet)"),
+             "matmuls and gathers FSDP's layers one ahead; it needs --sp megatron or --fsdp "
+             "(plain TP and DP overlap are not built yet)"),
             (self.overlap and (self.recompute or not none),
              "--overlap is not built yet with --remat or --pp (a recomputed or scheduled "
              "collective matmul re-runs its ring, which the cost model does not state)"),

@@ -45,8 +45,8 @@ def assert_one_sentence(err: Exception) -> None:
         (lambda: Plan(kernel="cuda"), "Unknown kernel 'cuda'; choose one of auto, jnp, pallas"),
         (
             lambda: Plan({"data": 2, "model": 2}, overlap=True),
-            "--overlap runs Megatron-SP's all-gathers and reduce-scatters as collective matmuls; "
-            "it needs --sp megatron",
+            "--overlap runs Megatron-SP's all-gathers and reduce-scatters as collective matmuls "
+            "and gathers FSDP's layers one ahead; it needs --sp megatron or --fsdp",
         ),
         (
             lambda: Plan({"model": 2}, sp="megatron", overlap=True, remat="dots"),

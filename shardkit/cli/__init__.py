@@ -90,7 +90,8 @@ def add_plan_opts(p: argparse.ArgumentParser) -> None:
     g.add_argument("--microbatches", type=int, metavar="M", help="per data shard (--pp; 1)")
     g.add_argument("--virtual", type=int, metavar="V",
                    help="chunks per stage (interleaved; 1; zbv: 2)")  # fmt: skip
-    g.add_argument("--overlap", action="store_true", help="--sp megatron as collective matmuls")
+    g.add_argument("--overlap", action="store_true", help="--sp megatron as collective "
+                   "matmuls; --fsdp gathers each layer one layer ahead")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,7 +13,8 @@ comes from, for a param ``w`` used on a batch split ``x[B_data, ...]``:
   use (``w[D_data] -> w[D]``); autodiff transposes that all-gather into a reduce-scatter of the
   gradient (``dw{U_data} -> dw[D_data]``), so gradients arrive already split: AG + RS instead of
   an all-reduce. Under ``jax.checkpoint`` the gathered weights are not kept for backward but
-  gathered again (AG + AG + RS).
+  gathered again (AG + AG + RS). ``fsdp_prefetch`` runs a stack of layers with each layer's
+  gather issued one layer ahead, beside the previous layer's compute.
 * ZeRO-1: ``w`` replicated, optimizer state split; ``zero_scatter`` reduce-scatters the
   gradients once backward is done, ``zero_update`` updates this device's slice and all-gathers
   the new params (the same bytes as one all-reduce; ``zero1_update`` is both).
@@ -109,6 +110,44 @@ def _bucket_psum(arrays: Sequence[Array], axes: Axes) -> list[Array]:
     sizes = [a.size for a in arrays]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     return [flat[o : o + a.size].reshape(a.shape) for o, a in zip(offsets, arrays, strict=True)]
+
+
+def fsdp_prefetch(
+    block: Callable[[Array, PyTree], Array],
+    gather: Callable[[PyTree], PyTree],
+    x: Array,
+    stacked: PyTree,
+    layers: str = "scan",
+) -> Array:
+    """``x = block(x, gather(layer_i))`` over the leading axis of ``stacked``, each layer's
+    gather issued one layer ahead: while layer i runs, layer i + 1's all-gather is already
+    under way (it depends on nothing layer i computes), so a scheduler with asynchronous
+    collectives runs it beside layer i's matmuls. Layer 0's is gathered before the loop; a
+    ``lax.scan`` (``layers="scan"``) carries the gathered layer, or a Python loop unrolls it.
+
+    Bytes: one all-gather per layer, as gathering in each layer's own step. Backward (autodiff
+    of the same loop): the transpose of layer i + 1's gather, a reduce-scatter of its
+    gradient, sits in layer i's backward step, beside layer i's backward matmuls. Memory: one
+    more gathered layer held than the plain loop. Under ``jax.checkpoint`` the gathered layer
+    would be a saved input, not re-gathered: use it without remat.
+    """
+    count = jax.tree.leaves(stacked)[0].shape[0]
+    layer = lambda i: jax.tree.map(lambda a: a[i], stacked)  # noqa: E731
+    gathered = gather(layer(0))
+    if layers == "scan":
+
+        def body(carry: tuple[Array, PyTree], next_shard: PyTree) -> tuple[Any, None]:
+            x, here = carry
+            return (block(x, here), gather(next_shard)), None
+
+        rest = jax.tree.map(lambda a: a[1:], stacked)
+        (x, gathered), _ = jax.lax.scan(body, (x, gathered), rest)
+        return block(x, gathered)
+    for i in range(count):
+        ahead = gather(layer(i + 1)) if i + 1 < count else None
+        x = block(x, gathered)
+        gathered = ahead
+    return x
 
 
 @shard_map_primitive

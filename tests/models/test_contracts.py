@@ -83,6 +83,8 @@ COMPOSITIONS = {
     "Megatron-SP unrolled": (CFG, Plan({"data": 2, "model": 4}, sp="megatron", layers="unrolled")),
     # its regions as collective matmuls: rings of permutes in place of the gathers and scatters
     "Megatron-SP overlap": (CFG, Plan({"data": 2, "model": 4}, sp="megatron", overlap=True)),
+    # FSDP's layers gathered one layer ahead: the same all-gathers, one before the loop
+    "FSDP×TP overlap": (CFG, Plan({"data": 4, "model": 2}, fsdp=True, overlap=True)),
     "Megatron-SP×ring overlap unrolled": (
         CFG,
         Plan({"data": 2, "seq": 2, "model": 2}, sp="megatron", overlap=True, layers="unrolled"),

@@ -165,6 +165,9 @@ def check_equal_to_reference(case: Case, tol: float = TOL) -> None:
     case=(vit(pool="gap", posemb="sincos2d", dim=24), Plan({"data": 3, "model": 2}, fsdp=True), 3)
 )
 @example(case=(vit(heads=3, dim=12, mlp_dim=12, pool="tok"), Plan({"data": 1, "model": 3}), 2))
+# FSDP with each layer gathered one layer ahead (overlap), scanned and unrolled, TP inside.
+@example(case=(vit(), Plan({"data": 4, "model": 2}, fsdp=True, overlap=True), 4))
+@example(case=(vit(), Plan({"data": 8}, fsdp=True, overlap=True, layers="unrolled"), 8))
 def test_data_model_meshes_match_reference(case: Case) -> None:
     check_equal_to_reference(case)
 
@@ -316,9 +319,10 @@ def train_step_args(model: ShardedViT) -> tuple:
 
 
 @functools.cache
-def compiled_train_step(fsdp: bool) -> tuple[ShardedViT, Any]:
-    """The real (donating) train step on data=4, with and without FSDP, compiled once."""
-    model, _ = sharded_model(FSDP_CFG, Plan({"data": FSDP_N}, fsdp=fsdp))
+def compiled_train_step(fsdp: bool, overlap: bool = False) -> tuple[ShardedViT, Any]:
+    """The real (donating) train step on data=4, with and without FSDP (``overlap``: each
+    layer gathered one layer ahead), compiled once."""
+    model, _ = sharded_model(FSDP_CFG, Plan({"data": FSDP_N}, fsdp=fsdp, overlap=overlap))
     step = model.train_step(verify.verify_optimizer())
     return model, step.lower(*train_step_args(model)).compile()
 
@@ -354,6 +358,15 @@ def test_fsdp_holds_each_split_param_at_one_nth_per_device() -> None:
         assert argument_bytes[fsdp] == local_bytes(args[fsdp]), fsdp
     split_bytes = sum(leaf.nbytes for leaf in split[True].values())
     assert argument_bytes[False] - argument_bytes[True] == 3 * split_bytes * (1 - 1 / n)
+
+
+def test_fsdp_overlap_holds_at_most_one_more_layer() -> None:
+    """``overlap`` gathers layer i + 1 while layer i runs: the step's temporaries grow by at
+    most one gathered layer's params (float32, as stored) over the plain FSDP step's."""
+    temp = {o: compiled_train_step(True, o)[1].memory_analysis().temp_size_in_bytes
+            for o in (False, True)}  # fmt: skip
+    layer = sum(leaf[0].nbytes for leaf in jax.tree.leaves(params_for(FSDP_CFG)["blocks"]))
+    assert temp[True] <= temp[False] + layer, (temp, layer)
 
 
 def test_train_step_donates_and_matches_reference() -> None:

@@ -104,7 +104,8 @@ class Layout:
       num_tokens: true token count t; padded_tokens: t rounded up to the shard count.
       split: the plan's token-split decision these are read from (``plan.token_split``).
       kernel: the plan's attention kernel ("auto", "jnp" or "pallas"; ``shardkit.kernels``).
-      overlap: Megatron-SP's regions as collective matmuls (``Plan.overlap``).
+      overlap: ``Plan.overlap``: Megatron-SP's regions as collective matmuls, FSDP's layers
+        gathered one ahead.
     """
 
     mesh: Mesh
@@ -210,7 +211,7 @@ def _block_local(
     model = "model" if lay.mesh.shape["model"] > 1 else None
     token_dim = 1 if lay.megatron else None
     core = _attention_core(cfg, lay, key_valid)
-    rings = lay.overlap
+    rings = lay.overlap and lay.megatron
     h = ref.layer_norm(x, p["ln1"])
     a = attention_tp(h, p["attn"], model, core, dtype, token_dim=token_dim, overlap=rings)
     x = x + a.astype(x.dtype)
@@ -229,7 +230,7 @@ def _encoder_local(
     frags: Params | None = None,
 ) -> Array:
     """The stacked layers, scanned or unrolled (``plan.layers``); FSDP gathers each layer's
-    weights inside the body
+    weights inside the body, or with ``overlap`` one layer ahead (``dp.fsdp_prefetch``)
     (``gather=False``: the blocks are whole already, as a pipeline chunk's are). ZeRO-2: the
     gradients go to ``frags`` (the blocks' slices), each layer's reduce-scattered in its own
     backward step."""
@@ -243,13 +244,22 @@ def _encoder_local(
 
     zero_dims = sharded.gather_dims(state_specs(cfg, plan)["blocks"], "data", drop_leading=1)
 
+    def gathered(p_layer: Params) -> Params:
+        return dp.fsdp_gather(p_layer, dims, tiled=lay.fsdp_tiles)
+
     @vma.checked_block
+    def block(x: Array, p_layer: Params) -> Array:
+        return _block_local(x, p_layer, key_valid, cfg, lay)
+
+    if lay.overlap and plan.fsdp and gather:  # each layer gathered one layer ahead
+        return dp.fsdp_prefetch(block, gathered, x, blocks, plan.layers)
+
     def body(x: Array, layer: tuple[Params, Params | None]) -> Array:
         p_layer, f_layer = layer
-        p_layer = dp.fsdp_gather(p_layer, dims, tiled=lay.fsdp_tiles)
+        p_layer = gathered(p_layer)
         if f_layer is not None:
             p_layer = dp.zero_attach(p_layer, f_layer, zero_dims, tiled=lay.fsdp_tiles)
-        return _block_local(x, p_layer, key_valid, cfg, lay)
+        return block(x, p_layer)
 
     x, _ = ref.run_layers(ref.remat_block(body, plan.remat), x, (blocks, frags), plan.layers)
     return x
