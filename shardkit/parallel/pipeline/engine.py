@@ -99,12 +99,9 @@ def pipeline_grads(
       poison: start the stash, the inboxes and the receive buffers at NaN, not zeros (a test:
         finite, equal gradients prove that no unwritten slot is ever read, or, in the uniform
         form, that what a stage computes masked never reaches a result).
-      uniform: run the uniform form (``schedules.uniform``: the same phases on every stage,
-        masked where a stage has no action) instead of per-stage branches. None: uniform
-        exactly when the chunk, the embedding or the loss runs a ``ppermute``, which the
-        branch form cannot run; False with such a function is refused. Otherwise the
-        schedule runs in the form it is in: branch, or ``schedules.phased`` (per-stage
-        branches in uniform super ticks), or uniform.
+      uniform: True runs the uniform form (``schedules.uniform``); None, exactly when the
+        chunk, the embedding or the loss runs a ``ppermute`` (refused with False); otherwise
+        the schedule's own form (``Schedule.form``: branch, phased or uniform).
 
     Returns:
       (loss, d_stage_params, d_embed_params, d_loss_params): Σ_m loss (with metrics: (Σ_m
