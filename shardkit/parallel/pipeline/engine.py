@@ -201,7 +201,7 @@ def _run_segments(ctx: _Context, tab: Tables, state: dict[str, Any]) -> dict[str
             rows["branch"] = np.searchsorted(used, rows["branch"]).astype(np.int32)
             body, xs = _tick_body(ctx, send_x, send_dy, used), rows
         else:
-            body, xs = _uniform_segment(ctx, tab, (start, stop), send_x, send_dy)
+            body, xs = _super_tick_segment(ctx, tab, (start, stop), send_x, send_dy)
         with jax.named_scope(SEGMENT_SCOPE.format(k)):
             state, _ = jax.lax.scan(body, state, jax.tree.map(jnp.asarray, xs))
     return state
@@ -361,7 +361,7 @@ def _send(
     return state
 
 
-def _uniform_segment(
+def _super_tick_segment(
     ctx: _Context, tab: Tables, span: tuple[int, int], send_x: bool, send_dy: bool
 ) -> tuple[Callable[..., Any], dict[str, Any]]:
     """The scan body over super ticks [start, stop) and what it scans: the tables [ticks, P,
