@@ -577,7 +577,7 @@ def pattern_of(
         steps = {(linear(t) - linear(s)) % n for s, t in pairs}
         if len(steps) == 1:
             return shift(steps.pop(), n)
-        return "pairs " + " ".join(f"{s}>{t}" for s, t in pairs)
+        return "pairs " + " ".join(f"{s}>{t}" for s, t in sorted(pairs))
     partition = np.arange(mesh.size).reshape(mesh.axis_sizes)
     rest = [i for i in range(len(sizes)) if i not in where]
     want = {frozenset(g) for g in partition.transpose(rest + where).reshape(-1, n).tolist()}

@@ -80,6 +80,12 @@ COMPOSITIONS = {
         CFG,
         Plan({"stage": 2, "seq": 2, "model": 2}, sp="ring", pp="1f1b", microbatches=2),
     ),
+    # ZBV over 4 stages: down the V and up it, two permutations each way; a tick runs only
+    # the one that carries its value (each stated with its device pairs)
+    "PP ZBV over 4 stages": (
+        dataclasses.replace(CFG, depth=8),
+        Plan({"stage": 4, "seq": 2}, sp="ring", pp="zbv", microbatches=4),
+    ),
     "Megatron-SP unrolled": (CFG, Plan({"data": 2, "model": 4}, sp="megatron", layers="unrolled")),
     # its regions as collective matmuls: rings of permutes in place of the gathers and scatters
     "Megatron-SP overlap": (CFG, Plan({"data": 2, "model": 4}, sp="megatron", overlap=True)),

@@ -305,6 +305,26 @@ def test_ticks_send_one_activation_each_way():
     assert sends <= segment_ticks
 
 
+@pytest.mark.parametrize("phased", [False, True])
+def test_zbv_sends_each_value_over_the_one_permute_that_carries_it(phased):
+    """ZBV above S = 2 sends down its V and up it: two permutations. A tick runs only the
+    permutes that carry a value (a switch on the tick's bitmask, ``pipeline.sends``), so the
+    permutes each stage runs equal ``Tables.sent()``, under 0.6× the two per tick of every
+    sending segment that sending both would take."""
+    stages, micro = 4, 8
+    schedule = sc.zbv(stages, micro)
+    schedule = sc.phased(schedule) if phased else schedule
+    tab = pl.tables(schedule)
+    step = compiled("zbv", 1, stages, 1, micro, 2, phased=phased)
+    led = ledger.measure(step, *step_args(stages, micro, 2), mesh=mesh_of(1, stages, 1))
+    x, dy = tab.sent()
+    both = sum((b - a) * 2 * (sx + sd) for a, b, sx, sd in tab.segments())
+    assert x + dy < 0.6 * both, (x, dy, both)
+    for s in range(stages):
+        permutes = stage_ledger(led, schedule, s).summary()[("collective-permute", ("stage",))]
+        assert (permutes.count, permutes.bytes_sent) == (x + dy, (x + dy) * B * T * D * 4), s
+
+
 @pytest.mark.parametrize("name", sc.SCHEDULES)
 def test_segments_stay_few_whatever_m(name):
     """The steady state is one segment (S = 2: 1F1B alternates F and B every tick), so the

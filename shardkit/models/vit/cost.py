@@ -64,6 +64,9 @@ import dataclasses
 import functools
 from typing import Any
 
+import numpy as np
+from jax.sharding import AbstractMesh
+
 import vit_ref
 from shardkit.comm.bytes import (
     all_gather_bytes,
@@ -72,6 +75,7 @@ from shardkit.comm.bytes import (
     permute_bytes,
     reduce_scatter_bytes,
 )
+from shardkit.comm.ledger import pattern_of
 from shardkit.comm.terms import Expectation, Term
 from shardkit.mesh import Plan, format_mesh
 from shardkit.models.vit import cost_params as pc
@@ -223,17 +227,14 @@ def _pipeline_terms(g: Geometry, stage: int) -> list[Term]:
     runs = pipeline.chunk_runs(sched, stage)
     per_phase = {"forward": runs["F"], "backward": runs["B"], "recompute": runs["B"]}
     layers = [_times(t, per_phase[t.phase], micro * plan.virtual) for t in _layer_terms(gm)]
-    sent_x, sent_dy = pipeline.tables(sched).sent()
     act = gm.b * g.t * g.cfg.dim * WORD
-    permute = functools.partial(term, g, "collective-permute", ["stage"])  # +1 / −1 below
     outer = [leaf for leaf in pc.param_leaves(g) if not leaf.in_blocks]
     n_data = plan.size("data")
     ends = sum(leaf.local * (n_data if "data" in leaf.split else 1) for leaf in outer) + 1
     pool = [_times(t, runs["last"], 1) for t in _pool_terms(gm)]
     return [
         *layers,
-        *permute(sent_x, act, "activation to the next stage", "forward", step=1),
-        *permute(sent_dy, act, "cotangent to the previous stage", "backward", step=-1),
+        *_stage_permutes(g, pipeline.tables(sched), act),
         *term(
             g, "all-reduce", ["stage"], 1, all_reduce_bytes(ends * WORD, stages),
             "loss, embedding and head gradients from the first and last stage", STEP_END,
@@ -242,6 +243,38 @@ def _pipeline_terms(g: Geometry, stage: int) -> list[Term]:
         *pc.pipeline_fsdp_terms(g),
         *pc.zero_terms(g),
     ]  # fmt: skip
+
+
+def _stage_permutes(g: Geometry, tab: pipeline.Tables, act: float) -> list[Term]:
+    """The activation (+1) and cotangent (−1) permutes over stage (``Tables.sent_by_permute``);
+    where a kind travels over several permutations (ZBV above S = 2: down its V and up it),
+    one term per permutation, its pattern that permutation's device pairs."""
+    out = []
+    by_permute = tab.sent_by_permute()
+    for kind, pairs, step, what, phase in (
+        ("x", tab.x_pairs, 1, "activation to the next stage", "forward"),
+        ("dy", tab.dy_pairs, -1, "cotangent to the previous stage", "backward"),
+    ):
+        for k, count in enumerate(by_permute[kind]):
+            terms = term(g, "collective-permute", ["stage"], count, act, what, phase, step=step)
+            if len(pairs) > 1:
+                terms = [dataclasses.replace(t, pattern=_pairs_pattern(g, pairs[k])) for t in terms]
+            out += terms
+    return out
+
+
+def _pairs_pattern(g: Geometry, stage_pairs: tuple[tuple[int, int], ...]) -> str:
+    """The ledger's pattern of a permute over stage with ``stage_pairs`` (source stage ->
+    target stage), on every device of the mesh (the other coordinates kept)."""
+    sizes = tuple(g.sizes[a] for a in g.mesh_axes)
+    at = g.mesh_axes.index("stage")
+    target = dict(stage_pairs)
+    pairs = tuple(
+        (int(np.ravel_multi_index(c, sizes)),
+         int(np.ravel_multi_index((*c[:at], target[c[at]], *c[at + 1 :]), sizes)))
+        for c in np.ndindex(*sizes) if c[at] in target
+    )  # fmt: skip
+    return pattern_of((), pairs, ("stage",), AbstractMesh(sizes, tuple(g.mesh_axes)))
 
 
 def _times(t: Term, runs: int, per: int) -> Term:

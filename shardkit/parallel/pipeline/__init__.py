@@ -1,10 +1,11 @@
 """Pipeline parallelism: schedules as data, their tables, and the engine that runs them.
 
-Seven modules: ``schedules`` (GPipe, 1F1B, interleaved, ZB-H1, ZB-V as grids of actions, and
-their uniform form), ``tables`` (a schedule compiled into static int32 tables: actions and
-buffer slots), ``split`` (a chunk's backward cut into its input-gradient and weight-gradient
-halves), ``chunk`` (how the engine calls a chunk: side inputs, an aux loss's gradient, its
-metrics), ``writes`` (what a tick's branch writes, and the buffer helpers),
+Eight modules: ``schedules`` (GPipe, 1F1B, interleaved, ZB-H1, ZB-V as grids of actions, and
+their uniform and phased forms), ``tables`` (a schedule compiled into static int32 tables:
+actions and buffer slots), ``split`` (a chunk's backward cut into its input-gradient and
+weight-gradient halves), ``chunk`` (how the engine calls a chunk: side inputs, an aux loss's
+gradient, its metrics), ``writes`` (what a tick's branch writes, and the buffer helpers),
+``sends`` (how a tick's outputs travel: ppermutes, switched by tick where ZBV's V needs two),
 ``engine`` (``pipeline_grads``: the traced scan over those tables inside ``shard_map``) and
 ``forward`` (``pipeline_forward``: the forwards alone, for inference). This package
 re-exports their public names.

@@ -23,6 +23,7 @@ import numpy as np
 from shardkit.parallel.pipeline import schedules
 from shardkit.parallel.pipeline.chunk import bound
 from shardkit.parallel.pipeline.schedules import Schedule
+from shardkit.parallel.pipeline.sends import Sends, segment_sends, send
 from shardkit.parallel.pipeline.split import SplitBackward
 from shardkit.parallel.pipeline.tables import (
     BRANCH_SCOPE,
@@ -195,13 +196,15 @@ def _run_segments(ctx: _Context, tab: Tables, state: dict[str, Any]) -> dict[str
     """Scans the ticks segment by segment, each compiling only the branches it runs."""
     for k, (start, stop, send_x, send_dy) in enumerate(tab.segments()):
         rows = tab.rows(start, stop)
+        sends = segment_sends(tab, (start, stop), send_x, send_dy)
         if tab.period == 1:
             # Only the branches this segment runs are compiled into its switch (row → position).
             used = sorted({IDLE, *np.unique(rows["branch"]).tolist()})
             rows["branch"] = np.searchsorted(used, rows["branch"]).astype(np.int32)
-            body, xs = _tick_body(ctx, send_x, send_dy, used), rows
+            body, xs = _tick_body(ctx, sends, used), {"rows": rows}
         else:
-            body, xs = _super_tick_segment(ctx, tab, (start, stop), send_x, send_dy)
+            body, xs = _super_tick_segment(ctx, tab, (start, stop), sends)
+        xs["carry"] = sends.positions
         with jax.named_scope(SEGMENT_SCOPE.format(k)):
             state, _ = jax.lax.scan(body, state, jax.tree.map(jnp.asarray, xs))
     return state
@@ -308,19 +311,19 @@ class _Context:
     dy_pairs: tuple[tuple[tuple[int, int], ...], ...]
 
 
-def _tick_body(ctx: _Context, send_x: bool, send_dy: bool, used: list[int]) -> Callable[..., Any]:
+def _tick_body(ctx: _Context, sends: Sends, used: list[int]) -> Callable[..., Any]:
     """One tick: store what arrived, run the branch (among ``used``, by ``branch_index``),
     send."""
     branches = _branches(used)
 
-    def body(state: dict[str, Any], rows: dict[str, jax.Array]) -> tuple[dict[str, Any], None]:
-        row = {k: v[ctx.stage] for k, v in rows.items()}
+    def body(state: dict[str, Any], xs: dict[str, Any]) -> tuple[dict[str, Any], None]:
+        row = {k: v[ctx.stage] for k, v in xs["rows"].items()}
         state = _arrivals(state, row)
         writes, out_x, out_dy = jax.lax.switch(
             row["branch"], [functools.partial(b, ctx) for b in branches], state, row
         )
         state = apply(state, writes)
-        return _send(ctx, state, (out_x, send_x), (out_dy, send_dy)), None
+        return _send(ctx, state, (out_x, out_dy), sends, xs["carry"]), None
 
     return body
 
@@ -350,19 +353,19 @@ def _arrivals(state: dict[str, Any], row: Row) -> dict[str, Any]:
 
 
 def _send(
-    ctx: _Context, state: dict[str, Any], x: tuple[jax.Array, bool], dy: tuple[jax.Array, bool]
-) -> dict[str, Any]:
-    """state with this tick's activation and cotangent sent over each of their permutes
-    (``Tables.x_pairs`` / ``dy_pairs``), or zeros in a segment that does not send them."""
+    ctx: _Context, state: dict[str, Any], outs: tuple[jax.Array, jax.Array], sends: Sends,
+    carry: dict[str, jax.Array],
+) -> dict[str, Any]:  # fmt: skip
+    """state with this tick's activation and cotangent sent (``sends.send``): what each of
+    their permutes delivered, stored at the next tick's start (``_arrivals``)."""
     state = dict(state)
-    zeros = _zeros(state)
-    for recv, (out, sends), pairs in (("recv_x", x, ctx.x_pairs), ("recv_dy", dy, ctx.dy_pairs)):
-        state[recv] = [jax.lax.ppermute(out, ctx.axis, p) if sends else zeros for p in pairs]
+    for kind, out, pairs in (("x", outs[0], ctx.x_pairs), ("dy", outs[1], ctx.dy_pairs)):
+        state[f"recv_{kind}"] = send(kind, out, sends, pairs, ctx.axis, carry.get(kind))
     return state
 
 
 def _super_tick_segment(
-    ctx: _Context, tab: Tables, span: tuple[int, int], send_x: bool, send_dy: bool
+    ctx: _Context, tab: Tables, span: tuple[int, int], sends: Sends
 ) -> tuple[Callable[..., Any], dict[str, Any]]:
     """The scan body over super ticks [start, stop) and what it scans: the tables [ticks, P,
     S] and per phase each stage's switch position. Uniform form (``tab.masked``): every stage
@@ -388,7 +391,7 @@ def _super_tick_segment(
             writes, out_x, out_dy = jax.lax.switch(at, branches, state, row)
             state = apply(state, writes)
             out[kind] = out_x if kind == "F" else out_dy
-        return _send(ctx, state, (out["F"], send_x), (out["B"], send_dy)), None
+        return _send(ctx, state, (out["F"], out["B"]), sends, xs["carry"]), None
 
     return body, {"rows": rows, "position": position.astype(np.int32)}
 

@@ -22,6 +22,9 @@ KIND_INDEX = {"F": 0, "B": 1, "W": 2}
 # their HLO op_name, so a ledger can count each by how often each stage runs it (``branch_runs``).
 SEGMENT_SCOPE = "pp_segment{}"
 BRANCH_SCOPE = "pp_branch{}"
+# A tick's sends as switch branches where a kind's values go over several permutations (ZBV
+# above S = 2): branch SEND_BRANCH[kind] + mask runs the permutations in the bitmask.
+SEND_BRANCH = {"x": 100, "dy": 200}
 
 
 def branch_index(kind: str, first: bool, last: bool) -> int:
@@ -57,7 +60,8 @@ class Tables:
     delivered at this tick's start is stored in (−1: nothing arrives); x_local, dy_local: the
     slot an F / B stores its own output in when the next chunk is on the same stage (ZBV's
     turn). sends_x / sends_dy [ticks]: some stage sends. x_pairs, dy_pairs: the ``ppermute``
-    pairs of each permute that carries activations / cotangents.
+    pairs of each permute that carries activations / cotangents; x_carries, dy_carries
+    [ticks]: a bit per permute that carries a value sent at that tick (``carried``).
     period: the schedule's (1: branch form; P: uniform form, tick t·P + p is phase p of super
     tick t). variants [super ticks, P] (uniform form): per phase, the ``branch_index`` every
     stage runs (its kind, with the first / last chunk parts if some stage needs them; each
@@ -88,6 +92,15 @@ class Tables:
     x_local: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 1), np.int32))
     dy_local: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 1), np.int32))
     masked: bool = True
+    x_carries: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    dy_carries: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+
+    def carried(self, start: int, stop: int, kind: str) -> np.ndarray:
+        """Per (super) tick of [start, stop), the bitmask of ``kind``'s ("x" or "dy")
+        permutes that carry a value then: a super tick sends what any of its phases made."""
+        p = self.period
+        masks = getattr(self, f"{kind}_carries")[start * p : stop * p].reshape(-1, p)
+        return np.bitwise_or.reduce(masks, axis=1)
 
     def rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
         """The tables of (super) ticks [start, stop): [ticks·period, S] each (x_local and
@@ -119,12 +132,26 @@ class Tables:
         return [*_runs(x, dy, 0, start), (start, stop, True, True), *_runs(x, dy, stop, ticks)]
 
     def sent(self) -> tuple[int, int]:
-        """(activation sends, cotangent sends) as the engine runs them: per sending tick one
-        ``ppermute`` of one microbatch activation per permutation of the schedule's pairs
-        (one, but ZBV's two directions above S = 2)."""
-        segs = self.segments()
-        x = sum(b - a for a, b, sx, _ in segs if sx) * len(self.x_pairs)
-        return x, sum(b - a for a, b, _, sd in segs if sd) * len(self.dy_pairs)
+        """(activation sends, cotangent sends) as the engine runs them, in ``ppermute``s of one
+        microbatch activation: per tick of a sending segment one per permutation of the
+        schedule's pairs where there is one (every tick, what it sends or zeros); where
+        there are several (ZBV's two directions above S = 2), only those that carry a value
+        that tick (``carried``)."""
+        by_permute = self.sent_by_permute()
+        return sum(by_permute["x"]), sum(by_permute["dy"])
+
+    def sent_by_permute(self) -> dict[str, list[int]]:
+        """``sent`` split by permute: per kind ("x", "dy"), the ``ppermute``s each of its
+        permutations (``x_pairs`` / ``dy_pairs``) runs in one step."""
+        out = {}
+        for kind, pairs, flag in (("x", self.x_pairs, 2), ("dy", self.dy_pairs, 3)):
+            segs = [seg for seg in self.segments() if seg[flag]]
+            if len(pairs) > 1:
+                masks = [self.carried(a, b, kind) for a, b, *_ in segs]
+                out[kind] = [sum(int((m >> k & 1).sum()) for m in masks) for k in range(len(pairs))]
+            else:
+                out[kind] = [sum(b - a for a, b, *_ in segs)] * len(pairs)
+        return out
 
 
 Segment = tuple[int, int, bool, bool]
@@ -191,7 +218,8 @@ def tables(schedule: Schedule) -> Tables:
         branch, micro, virtual, t["stash"], t["x_in"], t["dy_in"], t["w_stash"], x_arrive,
         dy_arrive, x_moves.sends, dy_moves.sends, sizes["stash"], sizes["x"], sizes["dy"],
         sizes["w"], schedule.period, _variants(schedule, branch), x_moves.permutes,
-        dy_moves.permutes, t["x_local"], t["dy_local"], schedule.masked,
+        dy_moves.permutes, t["x_local"], t["dy_local"], schedule.masked, x_moves.carries,
+        dy_moves.carries,
     )  # fmt: skip
 
 
@@ -208,11 +236,13 @@ class _Moves:
         # reader chunk c <- producer chunk c + step, as (producer stage, reader stage)
         self.pair = {c: (stage_of[c + step], stage_of[c]) for c in chunks if c + step in chunks}
         self.permutes = _permutations(sorted({p for p in self.pair.values() if p[0] != p[1]}))
-        self.sends = np.zeros(schedule.ticks, bool)
+        self.carries = np.zeros(schedule.ticks, np.int32)  # a bit per permute carrying a value
         for c, (src, dst) in self.pair.items():
             if src != dst:
+                k = next(i for i, pairs in enumerate(self.permutes) if (src, dst) in pairs)
                 for m in range(schedule.micro):
-                    self.sends[when[(kind, c + step, m)]] = True
+                    self.carries[when[(kind, c + step, m)]] |= 1 << k
+        self.sends = self.carries > 0
 
     def local(self, c: int) -> bool:
         src, dst = self.pair[c]
@@ -272,8 +302,13 @@ def branch_runs(schedule: Schedule) -> dict[tuple[int, int], np.ndarray]:
     every stage); phased form: how many phases each stage spends in branch b."""
     tab = tables(schedule)
     out: dict[tuple[int, int], np.ndarray] = {}
-    for k, (start, stop, _, _) in enumerate(tab.segments()):
+    for k, (start, stop, send_x, send_dy) in enumerate(tab.segments()):
         out[(k, -1)] = np.full(schedule.stages, stop - start)
+        for kind, pairs, sends in (("x", tab.x_pairs, send_x), ("dy", tab.dy_pairs, send_dy)):
+            if sends and len(pairs) > 1:  # the engine's send switch (``SEND_BRANCH``)
+                masks, counts = np.unique(tab.carried(start, stop, kind), return_counts=True)
+                for mask, n in zip(masks.tolist(), counts.tolist(), strict=True):
+                    out[(k, SEND_BRANCH[kind] + mask)] = np.full(schedule.stages, n)
         if tab.period == 1 or not tab.masked:
             rows = tab.rows(start, stop)["branch"]
             for b in np.unique(rows).tolist():
