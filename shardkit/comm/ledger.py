@@ -468,7 +468,7 @@ def parse_hlo(text: str, mesh: AnyMesh | None = None) -> list[Collective]:
     num_devices = mesh.size if mesh is not None else hlo.header_devices(text)
     ctx = _Context(mesh, num_devices, hlo.stack_frames(text))
     roles = schedule.fused_roles(computations)  # the TPU compiler's async collective fusions
-    matmuls: set[str] | None = None  # found once, and only for a program with async collectives
+    overlap = schedule.Overlap(computations, roles)  # reads the program only where asked
     out = []
     for comp, instructions in computations.items():
         count, exact = runs.get(comp, (0, True))
@@ -479,13 +479,10 @@ def parse_hlo(text: str, mesh: AnyMesh | None = None) -> list[Collective]:
             if kind is None:
                 continue
             c = _collective(instr, kind, comp, count, exact, ctx)
-            if instr.opcode.endswith("-start") or roles.get(comp) == "start":
-                matmuls = schedule.matmul_computations(computations) if matmuls is None else matmuls
-                if roles.get(comp) == "start":
-                    hidden = schedule.fused_overlaps(computations, comp, roles, matmuls)
-                else:
-                    hidden = schedule.overlaps_matmul(instructions[i + 1 :], instr, matmuls)
-                c = dataclasses.replace(c, overlapped=hidden)
+            if roles.get(comp) == "start":
+                c = dataclasses.replace(c, overlapped=overlap.fused(comp))
+            elif instr.opcode.endswith("-start"):
+                c = dataclasses.replace(c, overlapped=overlap.pair(instructions[i + 1 :], instr))
             out.append(c)
     return out
 
