@@ -194,9 +194,10 @@ def _form(schedule: Schedule, permutes: set[str], uniform: bool | None) -> Sched
 
 def _run_segments(ctx: _Context, tab: Tables, state: dict[str, Any]) -> dict[str, Any]:
     """Scans the ticks segment by segment, each compiling only the branches it runs."""
-    for k, (start, stop, send_x, send_dy) in enumerate(tab.segments()):
+    for k, segment in enumerate(tab.segments()):
+        start, stop, _, _ = segment
         rows = tab.rows(start, stop)
-        sends = segment_sends(tab, (start, stop), send_x, send_dy)
+        sends = segment_sends(tab, segment)
         if tab.period == 1:
             # Only the branches this segment runs are compiled into its switch (row → position).
             used = sorted({IDLE, *np.unique(rows["branch"]).tolist()})

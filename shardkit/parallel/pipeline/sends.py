@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shardkit.parallel.pipeline.tables import BRANCH_SCOPE, SEND_BRANCH, Tables
+from shardkit.parallel.pipeline.tables import BRANCH_SCOPE, SEND_BRANCH, Segment, Tables
 
 Pairs = tuple[tuple[tuple[int, int], ...], ...]
 
@@ -36,15 +36,13 @@ class Sends:
     positions: dict[str, np.ndarray]
 
 
-def segment_sends(tab: Tables, span: tuple[int, int], send_x: bool, send_dy: bool) -> Sends:
-    """The ``Sends`` of the (super) ticks ``span`` of ``tab``."""
+def segment_sends(tab: Tables, segment: Segment) -> Sends:
+    """The ``Sends`` of ``segment`` (``Tables.segments``' (start, stop, sends x, sends dy))."""
     used, positions = {}, {}
-    for kind, pairs, on in (("x", tab.x_pairs, send_x), ("dy", tab.dy_pairs, send_dy)):
-        if on and len(pairs) > 1:
-            masks = tab.carried(*span, kind)
-            used[kind] = sorted(set(masks.tolist()))
-            positions[kind] = np.searchsorted(used[kind], masks).astype(np.int32)
-    return Sends(send_x, send_dy, used, positions)
+    for kind, masks in tab.switched(segment).items():
+        used[kind] = sorted(set(masks.tolist()))
+        positions[kind] = np.searchsorted(used[kind], masks).astype(np.int32)
+    return Sends(segment[2], segment[3], used, positions)
 
 
 def send(

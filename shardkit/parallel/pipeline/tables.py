@@ -59,9 +59,9 @@ class Tables:
     that W needs); x_arrive, dy_arrive [ticks, S, permutes]: the slot the value each permute
     delivered at this tick's start is stored in (−1: nothing arrives); x_local, dy_local: the
     slot an F / B stores its own output in when the next chunk is on the same stage (ZBV's
-    turn). sends_x / sends_dy [ticks]: some stage sends. x_pairs, dy_pairs: the ``ppermute``
-    pairs of each permute that carries activations / cotangents; x_carries, dy_carries
-    [ticks]: a bit per permute that carries a value sent at that tick (``carried``).
+    turn). x_carries, dy_carries [ticks]: a bit per permute that carries a value sent at
+    that tick (``carried``; ``sends_x`` / ``sends_dy``: some stage sends). x_pairs,
+    dy_pairs: the ``ppermute`` pairs of each permute that carries activations / cotangents.
     period: the schedule's (1: branch form; P: uniform form, tick t·P + p is phase p of super
     tick t). variants [super ticks, P] (uniform form): per phase, the ``branch_index`` every
     stage runs (its kind, with the first / last chunk parts if some stage needs them; each
@@ -79,8 +79,8 @@ class Tables:
     w_stash: np.ndarray
     x_arrive: np.ndarray
     dy_arrive: np.ndarray
-    sends_x: np.ndarray
-    sends_dy: np.ndarray
+    x_carries: np.ndarray
+    dy_carries: np.ndarray
     stash_slots: int
     x_slots: int
     dy_slots: int
@@ -92,8 +92,16 @@ class Tables:
     x_local: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 1), np.int32))
     dy_local: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 1), np.int32))
     masked: bool = True
-    x_carries: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
-    dy_carries: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+
+    @property
+    def sends_x(self) -> np.ndarray:
+        """[ticks] bool: some stage sends an activation."""
+        return self.x_carries > 0
+
+    @property
+    def sends_dy(self) -> np.ndarray:
+        """[ticks] bool: some stage sends a cotangent."""
+        return self.dy_carries > 0
 
     def carried(self, start: int, stop: int, kind: str) -> np.ndarray:
         """Per (super) tick of [start, stop), the bitmask of ``kind``'s ("x" or "dy")
@@ -101,6 +109,16 @@ class Tables:
         p = self.period
         masks = getattr(self, f"{kind}_carries")[start * p : stop * p].reshape(-1, p)
         return np.bitwise_or.reduce(masks, axis=1)
+
+    def switched(self, segment: Segment) -> dict[str, np.ndarray]:
+        """Per kind the engine sends by switch in ``segment`` (one it sends, over several
+        permutes: ZBV above S = 2), its ticks' bitmasks (``carried``)."""
+        start, stop, send_x, send_dy = segment
+        return {
+            kind: self.carried(start, stop, kind)
+            for kind, pairs, on in (("x", self.x_pairs, send_x), ("dy", self.dy_pairs, send_dy))
+            if on and len(pairs) > 1
+        }
 
     def rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
         """The tables of (super) ticks [start, stop): [ticks·period, S] each (x_local and
@@ -216,10 +234,9 @@ def tables(schedule: Schedule) -> Tables:
     sizes = {name: 1 + max(v.values(), default=0) for name, v in slots.items()}
     return Tables(
         branch, micro, virtual, t["stash"], t["x_in"], t["dy_in"], t["w_stash"], x_arrive,
-        dy_arrive, x_moves.sends, dy_moves.sends, sizes["stash"], sizes["x"], sizes["dy"],
+        dy_arrive, x_moves.carries, dy_moves.carries, sizes["stash"], sizes["x"], sizes["dy"],
         sizes["w"], schedule.period, _variants(schedule, branch), x_moves.permutes,
-        dy_moves.permutes, t["x_local"], t["dy_local"], schedule.masked, x_moves.carries,
-        dy_moves.carries,
+        dy_moves.permutes, t["x_local"], t["dy_local"], schedule.masked,
     )  # fmt: skip
 
 
@@ -304,11 +321,10 @@ def branch_runs(schedule: Schedule) -> dict[tuple[int, int], np.ndarray]:
     out: dict[tuple[int, int], np.ndarray] = {}
     for k, (start, stop, send_x, send_dy) in enumerate(tab.segments()):
         out[(k, -1)] = np.full(schedule.stages, stop - start)
-        for kind, pairs, sends in (("x", tab.x_pairs, send_x), ("dy", tab.dy_pairs, send_dy)):
-            if sends and len(pairs) > 1:  # the engine's send switch (``SEND_BRANCH``)
-                masks, counts = np.unique(tab.carried(start, stop, kind), return_counts=True)
-                for mask, n in zip(masks.tolist(), counts.tolist(), strict=True):
-                    out[(k, SEND_BRANCH[kind] + mask)] = np.full(schedule.stages, n)
+        for kind, ticks in tab.switched((start, stop, send_x, send_dy)).items():
+            masks, counts = np.unique(ticks, return_counts=True)  # the engine's send switch
+            for mask, n in zip(masks.tolist(), counts.tolist(), strict=True):
+                out[(k, SEND_BRANCH[kind] + mask)] = np.full(schedule.stages, n)
         if tab.period == 1 or not tab.masked:
             rows = tab.rows(start, stop)["branch"]
             for b in np.unique(rows).tolist():
