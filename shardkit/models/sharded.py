@@ -77,6 +77,7 @@ from shardkit.mesh import PlanError, logical_specs, platform
 from shardkit.models import staged
 from shardkit.parallel import data as dp
 from shardkit.parallel import remat as remat_policies
+from shardkit.parallel.tiles import Tiles
 
 PyTree = Any
 Axes = tuple[str, ...]
@@ -267,9 +268,9 @@ class ShardedModel:
         _warn_unsplit_batch(self.batch_specs, self.batch_axes)
         self.sync_axes = grad_sync_axes(self.state_specs, mesh, batch_axes, token_axes, token_free)
         self.gather = gather
-        # FSDP's and ZeRO's buckets as padded tiles on a TPU, where flat ones become
-        # all-reduces (``data.bucket_elements``).
-        self.fsdp_tiles = platform(mesh) == "tpu"
+        # FSDP's and ZeRO's buckets as tiles the TPU compiler keeps, on a TPU, where flat
+        # ones become all-reduces (``parallel.tiles``).
+        self.fsdp_tiles = Tiles(mesh) if platform(mesh) == "tpu" else None
         self.pipeline = pipeline
         if pipeline is not None:
             staged.check(self, pipeline)
@@ -382,7 +383,7 @@ class ShardedModel:
         share, or (share, metrics) with ``aux``."""
         if self.gather and self.batch_axes:
             params = dp.fsdp_gather(
-                params, self.gather_dims(), self.batch_axes[0], tiled=self.fsdp_tiles
+                params, self.gather_dims(), self.batch_axes[0], tiles=self.fsdp_tiles
             )
         assert self.loss_local is not None, "a pipelined model's loss runs in staged.grads_local"
         with remat_policies.policy(self.remat):
@@ -406,7 +407,7 @@ class ShardedModel:
         """ZeRO-2's loss: ``loss_local`` on ``params`` whose gradients go to ``frags``,
         reduce-scattered once backward is done (override to attach them layer by layer)."""
         attached = dp.zero_attach(
-            params, frags, self.zero_dims, self.batch_axes[0], tiled=self.fsdp_tiles
+            params, frags, self.zero_dims, self.batch_axes[0], tiles=self.fsdp_tiles
         )
         return self._loss_gathered(attached, *batch)
 
@@ -433,7 +434,7 @@ class ShardedModel:
         """Raw gradients to synced ones: ZeRO-1's reduce-scatter, then ``sync_grads_local``;
         returns (gradients, the global loss from this device's ``share`` of it, or None)."""
         if self.zero == 1 and self.zero_axis:
-            grads = dp.zero_scatter(grads, self.zero_dims, self.zero_axis, tiled=self.fsdp_tiles)
+            grads = dp.zero_scatter(grads, self.zero_dims, self.zero_axis, tiles=self.fsdp_tiles)
         return self.sync_grads_local(grads, share)
 
     def sync_grads_local(self, grads: PyTree, share: Array | None = None) -> tuple[PyTree, Any]:
@@ -545,7 +546,7 @@ class ShardedModel:
             metrics = _metrics(loss) | {"grad_norm": norm}
         params, opt_state = dp.zero_update(
             optimizer, grads, opt_state, params, self.zero_dims, self.batch_axes[0],
-            tiled=self.fsdp_tiles,
+            tiles=self.fsdp_tiles,
         )  # fmt: skip
         return params, opt_state, metrics
 

@@ -142,7 +142,7 @@ def grads_local(
     axis = model.batch_axes[0] if model.batch_axes else "data"
 
     def gathered(p: PyTree) -> PyTree:
-        return dp.fsdp_gather(p, dims, axis, tiled=model.fsdp_tiles) if model.batch_axes else p
+        return dp.fsdp_gather(p, dims, axis, tiles=model.fsdp_tiles) if model.batch_axes else p
 
     whole, scatter = jax.vjp(gathered, dp.vary(params, model.vary_axes))
     ends = pipeline.Ends(

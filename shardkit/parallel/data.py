@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
 from shardkit.parallel.collectives import all_gather, reduce_scatter
+from shardkit.parallel.tiles import Tiles, wire
 from shardkit.parallel.vma import shard_map_primitive, varying_axes
 from shardkit.parallel.vma import vary as vary_leaf
 
@@ -152,7 +153,12 @@ def fsdp_prefetch(
 
 @shard_map_primitive
 def fsdp_gather(
-    tree: PyTree, dims_tree: PyTree, axis: str = "data", *, bucket: bool = True, tiled: bool = False
+    tree: PyTree,
+    dims_tree: PyTree,
+    axis: str = "data",
+    *,
+    bucket: bool = True,
+    tiles: Tiles | None = None,
 ) -> PyTree:
     """All-gathers each FSDP-split leaf along its split dim: ``w[D_data] -> w[D]``.
 
@@ -160,7 +166,7 @@ def fsdp_gather(
     not split. With ``bucket`` (the default) the split leaves travel as ONE buffer per group
     of leaves sharing a dtype and varying axes (FSDP2's and DDP's buckets): each fragment is
     flattened with its split dim first, the concatenation is all-gathered once (flat, or with
-    ``tiled`` as padded [r, 128] tiles: ``bucket_elements``, what the TPU compiler needs), and
+    with ``tiles`` as padded [r, 128] tiles the TPU compiler keeps: ``parallel.tiles``), and
     every leaf is cut back out of the gathered buffer. Backward: one reduce-scatter per bucket
     (the transpose). Leaves with different varying axes never share a buffer: a concatenation
     would cast the invariant ones, and its transpose would all-reduce their cotangents.
@@ -175,7 +181,7 @@ def fsdp_gather(
             if dim is not None:  # FSDP: materialise the whole weight just before it is used.
                 out[i] = all_gather(x, axis, axis_dim=dim, tiled=True)
         return jax.tree.unflatten(treedef, out)
-    return jax.tree.unflatten(treedef, _bucket_gather(leaves, dims, axis, "varying", tiled))
+    return jax.tree.unflatten(treedef, _bucket_gather(leaves, dims, axis, "varying", tiles))
 
 
 def _dims(dims_tree: PyTree, leaves: list[Array]) -> list[int | None]:
@@ -195,43 +201,16 @@ def _buckets(leaves: Sequence[Array], dims: Sequence[int | None]) -> list[list[t
     return list(groups.values())
 
 
-LANES, TILE_ELEMENTS = 128, 2048  # a tiled bucket travels as [r, 128], r a multiple of 16
-MIN_TILED = 16 * TILE_ELEMENTS  # smaller buckets travel flat (tiles would pad them > 6%)
-
-
-def bucket_elements(elements: int, tiled: bool = True) -> int:
-    """The elements one device sends for an FSDP bucket of ``elements``: ``tiled`` and from
-    ``MIN_TILED`` on, padded to whole tiles; else as they are.
-
-    A tiled bucket travels as a 2-D [r, 128] buffer with r a multiple of 16 (≤ 2,047 zeros of
-    padding, < 6.25%). The TPU compiler turns a flat 1-D bucket's all-gather and its
-    transposed reduce-scatter into all-reduces that send twice the bytes; on tiles it keeps
-    the all-gather, and the reduce-scatter for many sizes but not all (measured:
-    docs/target.md, ``docs/measure/tpu_compiler_reduce_scatter.py``). A
-    bucket under ``MIN_TILED`` elements (128 KiB of float32) stays flat: there the TPU
-    compiler's all-reduce costs less than the padding would."""
-    if not tiled or elements < MIN_TILED:
-        return elements
-    return -(-elements // TILE_ELEMENTS) * TILE_ELEMENTS
-
-
-def _wire(flat: Array, tiled: bool) -> Array:
-    """[Σ] -> the bucket's wire layout (``bucket_elements``): [r, 128] zero padded, or flat."""
-    if not tiled or flat.size < MIN_TILED:
-        return flat
-    return jnp.pad(flat, (0, bucket_elements(flat.size) - flat.size)).reshape(-1, LANES)
-
-
 def _bucket_gather(
-    leaves: list[Array], dims: list[int | None], axis: str, to: str, tiled: bool = False
+    leaves: list[Array], dims: list[int | None], axis: str, to: str, tiles: Tiles | None = None
 ) -> list[Array]:
-    """``w[D_X] -> w[D]`` for every split leaf, one all-gather per bucket (``tiled``: laid out
-    as ``bucket_elements`` says)."""
+    """``w[D_X] -> w[D]`` for every split leaf, one all-gather per bucket (``tiles``: laid out
+    as ``tiles.wire`` says)."""
     out = list(leaves)
     for members in _buckets(leaves, dims):
         flat = [jnp.moveaxis(leaves[i], dim, 0).reshape(-1) for i, dim in members]
         # FSDP / ZeRO: one buffer of every fragment in the bucket, gathered once.
-        gathered = all_gather(_wire(jnp.concatenate(flat), tiled), axis, to=to)  # [n, ...]
+        gathered = all_gather(wire(jnp.concatenate(flat), tiles, axis), axis, to=to)  # [n, ...]
         gathered = gathered.reshape(gathered.shape[0], -1)  # [n, Σ sizes (+ padding)]
         offset = 0
         for (i, dim), piece in zip(members, flat, strict=True):
@@ -244,14 +223,14 @@ def _bucket_gather(
 
 @shard_map_primitive
 def zero_scatter(
-    grads: PyTree, dims_tree: PyTree, axis: str = "data", *, tiled: bool = False
+    grads: PyTree, dims_tree: PyTree, axis: str = "data", *, tiles: Tiles | None = None
 ) -> PyTree:
     """Reduce-scatters each split leaf's gradient: ``dw[D]{U_X} -> dw[D_X]``, in buckets.
 
     The exact transpose of ``fsdp_gather``'s bucketed all-gather (ZeRO-1's and ZeRO-2's
     gradient reduction): each gradient is cut into n blocks along its dim, the blocks are laid
-    out device-major in one [n, Σ] buffer per bucket (``tiled``: each row padded to
-    ``bucket_elements`` as [r, 128], what the TPU compiler keeps as a reduce-scatter), and ONE
+    out device-major in one [n, Σ] buffer per bucket (``tiles``: each row padded to the
+    [r, 128] the TPU compiler keeps as a reduce-scatter, ``parallel.tiles``), and ONE
     reduce-scatter leaves device k the sum of row k. Leaves whose dim is None pass through.
     Cost: (n−1)/n · the full gradient bytes (each bucket's padded).
     """
@@ -263,9 +242,9 @@ def zero_scatter(
         # row k of each: the block device k keeps
         rows = [jnp.moveaxis(leaves[i], dim, 0).reshape(n, -1) for i, dim in members]
         joined = jnp.concatenate(rows, axis=1)  # [n, Σ / n]
-        wire = jax.vmap(lambda row: _wire(row, tiled))(joined)  # [n, Σ / n] or [n, r, 128]
+        laid = jax.vmap(lambda row: wire(row, tiles, axis))(joined)  # [n, Σ/n] | [n, r, 128]
         # ZeRO: each device needs only the summed gradient of the slice it updates.
-        summed = reduce_scatter(wire, axis).reshape(-1)[: joined.shape[1]]
+        summed = reduce_scatter(laid, axis).reshape(-1)[: joined.shape[1]]
         offset = 0
         for (i, dim), row in zip(members, rows, strict=True):
             moved = jnp.moveaxis(leaves[i], dim, 0).shape
@@ -293,7 +272,12 @@ def zero_slices(tree: PyTree, dims_tree: PyTree, axis: str = "data") -> PyTree:
 
 @shard_map_primitive
 def zero_attach(
-    full: PyTree, frags: PyTree, dims_tree: PyTree, axis: str = "data", *, tiled: bool = False
+    full: PyTree,
+    frags: PyTree,
+    dims_tree: PyTree,
+    axis: str = "data",
+    *,
+    tiles: Tiles | None = None,
 ) -> PyTree:
     """ZeRO-2's hook: returns ``full`` (use it in the forward); its gradient goes to ``frags``,
     reduce-scattered where backward makes it: ``dw[D]{U_X} -> dw[D_X]``.
@@ -304,7 +288,7 @@ def zero_attach(
     layer's backward step, so the stacked gradients the scan returns are already 1/n: the
     whole gradient of one layer is alive at a time, never all of them (the memory ZeRO-2
     saves over ZeRO-1). Leaves whose dim is None are passed as ``frags`` whole and returned.
-    ``tiled``: the reduce-scatters' buckets as ``zero_scatter`` lays them out on a TPU.
+    ``tiles``: the reduce-scatters' buckets as ``zero_scatter`` lays them out on a TPU.
     """
     full_leaves, treedef = jax.tree.flatten(full)
     frag_leaves = jax.tree.leaves(frags)
@@ -320,7 +304,7 @@ def zero_attach(
         return fulls, None
 
     def bwd(_: None, cotangents: list[Array]) -> tuple[None, list[Array]]:
-        return None, zero_scatter(list(cotangents), split_dims, axis, tiled=tiled)
+        return None, zero_scatter(list(cotangents), split_dims, axis, tiles=tiles)
 
     attach.defvjp(fwd, bwd)
     used = attach([full_leaves[i] for i in split], [frag_leaves[i] for i in split])
@@ -339,7 +323,7 @@ def zero_update(
     dims_tree: PyTree,
     axis: str = "data",
     *,
-    tiled: bool = False,
+    tiles: Tiles | None = None,
 ) -> tuple[PyTree, Any]:
     """ZeRO's update: the local slice with the local state, then the params all-gathered.
 
@@ -355,12 +339,12 @@ def zero_update(
       opt_state_frag: this device's optimizer-state slice, split like ``dims_tree``.
       params: replicated params.
       dims_tree: the split dim of each leaf (or None).
-      tiled: the all-gathers' buckets as padded [r, 128] tiles (``bucket_elements``; on a TPU).
+      tiles: the all-gathers' buckets as padded [r, 128] tiles (``parallel.tiles``; on a TPU).
     """
     w_frag = zero_slices(params, dims_tree, axis)
     w_frag, opt_state_frag = optax_update(optimizer, grads_frag, opt_state_frag, w_frag)
     leaves, treedef = jax.tree.flatten(w_frag)
-    gathered = _bucket_gather(leaves, _dims(dims_tree, leaves), axis, "invarying", tiled)
+    gathered = _bucket_gather(leaves, _dims(dims_tree, leaves), axis, "invarying", tiles)
     return jax.tree.unflatten(treedef, gathered), opt_state_frag
 
 
@@ -373,7 +357,7 @@ def zero1_update(
     dims_tree: PyTree,
     axis: str = "data",
     *,
-    tiled: bool = False,
+    tiles: Tiles | None = None,
 ) -> tuple[PyTree, Any]:
     """ZeRO-1 step inside ``shard_map``: optimizer state split over ``axis``, params replicated.
 
@@ -383,14 +367,14 @@ def zero1_update(
 
     Args:
       grads: per-device partial gradients (varying over ``axis``), like ``params``; the other
-        arguments are ``zero_update``'s (``tiled`` lays out the reduce-scatters' buckets too).
+        arguments are ``zero_update``'s (``tiles`` lays out the reduce-scatters' buckets too).
     """
     is_none = lambda x: x is None  # noqa: E731
     whole = jax.tree.map(
         lambda g, d: jax.lax.psum(g, axis) if d is None else g, grads, dims_tree, is_leaf=is_none
     )
-    g_frag = zero_scatter(whole, dims_tree, axis, tiled=tiled)
-    return zero_update(optimizer, g_frag, opt_state_frag, params, dims_tree, axis, tiled=tiled)
+    g_frag = zero_scatter(whole, dims_tree, axis, tiles=tiles)
+    return zero_update(optimizer, g_frag, opt_state_frag, params, dims_tree, axis, tiles=tiles)
 
 
 def optax_update(

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from shardkit import data as dp
 from shardkit import ledger
 from shardkit.mesh import make_mesh
+from shardkit.parallel.tiles import MIN_TILED, TILE_ELEMENTS, Tiles, bucket_elements
 from shardkit.testing import assert_trees_close
 
 TOL = 1e-5
@@ -262,10 +263,13 @@ def test_fsdp_gradient_is_the_whole_gradient_reduce_scattered() -> None:
 
 
 def test_bucket_elements_pads_only_tiled_buckets_past_the_threshold() -> None:
-    assert dp.bucket_elements(dp.MIN_TILED - 1) == dp.MIN_TILED - 1  # small: flat
-    assert dp.bucket_elements(dp.MIN_TILED + 1) == dp.MIN_TILED + dp.TILE_ELEMENTS
-    assert dp.bucket_elements(110_664) == 110_592 + 2048  # [r, 128] with r a multiple of 16
-    assert dp.bucket_elements(110_664, tiled=False) == 110_664
+    """Off a TPU (or on paper) a tiled bucket takes the fewest [16, 128] tiles; the row
+    counts a TPU slice keeps are probed (``tests/run/test_target.py``)."""
+    for tiles in (Tiles(), Tiles(mesh_of(4))):
+        assert bucket_elements(MIN_TILED - 1, tiles) == MIN_TILED - 1  # small: flat
+        assert bucket_elements(MIN_TILED + 1, tiles) == MIN_TILED + TILE_ELEMENTS
+        assert bucket_elements(110_664, tiles) == 110_592 + 2048  # [r, 128], r = 16·k
+    assert bucket_elements(110_664) == 110_664
 
 
 def test_tiled_fsdp_buckets_equal_flat_ones() -> None:
@@ -280,7 +284,7 @@ def test_tiled_fsdp_buckets_equal_flat_ones() -> None:
 
     def loss(tiled: bool):
         def body(p):
-            g = dp.fsdp_gather(p, dims, tiled=tiled)
+            g = dp.fsdp_gather(p, dims, tiles=Tiles(mesh) if tiled else None)
             return (jnp.sum(jnp.sin(g["a"])) + jnp.sum(jnp.cos(g["b"]) ** 2))[None]
 
         fn = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=P("data"))
@@ -291,7 +295,7 @@ def test_tiled_fsdp_buckets_equal_flat_ones() -> None:
     for k in params:
         np.testing.assert_array_equal(flat_grads[k], tiled_grads[k])
     sent = ledger.measure(loss(True), placed, mesh=mesh).select("all-gather")
-    assert dp.bucket_elements(34_000) == 34_816 > 34_000 >= dp.MIN_TILED
+    assert bucket_elements(34_000, Tiles()) == 34_816 > 34_000 >= MIN_TILED
     assert [c.result_bytes for c in sent] == [4 * 34_816 * 4]  # n · padded · float32
 
 
@@ -314,7 +318,7 @@ def test_tiled_zero_buckets_equal_flat_ones() -> None:
     def step(tiled: bool):
         def body(p, g, st):
             g = jax.tree.map(lambda x: x[0], g)  # this device's partial gradient, dw{U_data}
-            return dp.zero1_update(optimizer, g, st, p, dims, tiled=tiled)
+            return dp.zero1_update(optimizer, g, st, p, dims, tiles=Tiles(mesh) if tiled else None)
 
         g_specs = jax.tree.map(lambda _: P("data"), grads)
         fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), g_specs, state_specs),
@@ -325,7 +329,7 @@ def test_tiled_zero_buckets_equal_flat_ones() -> None:
     for a, b in zip(jax.tree.leaves(flat), jax.tree.leaves(tiled), strict=True):
         np.testing.assert_array_equal(a, b)
     sent = ledger.measure(step(True), params, grads, state, mesh=mesh)
-    assert dp.bucket_elements(34_000) == 34_816
+    assert bucket_elements(34_000, Tiles()) == 34_816
     assert [c.result_bytes for c in sent.select("reduce-scatter")] == [34_816 * 4]
     assert [c.result_bytes for c in sent.select("all-gather")] == [4 * 34_816 * 4]
 

@@ -90,6 +90,48 @@ def test_zero_keeps_its_gathers_and_reduce_scatters_on_the_tpu_compiler(capsys, 
     assert kinds == {"all-reduce": 1, "all-gather": 1, "reduce-scatter": 1 if zero == "1" else 3}
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["--variant", "B/16", "--depth", "1", "--fsdp"], ["--variant", "S/16", "--depth", "2",
+     "--zero", "1"]],
+    ids=["fsdp-B/16", "zero1-S/16"],
+)  # fmt: skip
+def test_large_buckets_keep_their_reduce_scatters_on_the_tpu_compiler(capsys, argv):
+    """Buckets past 152 tiles per chip (ViT-B/16's per-layer FSDP bucket, 433 tiles at the
+    fewest; S/16's ZeRO-1 bucket): v5e:2x4's compiler keeps a reduce-scatter only for some
+    row counts, and turned these into all-reduces (1.41x and 1.50x the plan's bytes). The
+    probed tiles (``parallel.tiles``) keep them, and the contract states their padding."""
+    head = ["inspect", "--target", "v5e:2x4", "--json", "--mesh", "data=8", "--batch", "8"]
+    assert cli.main([*head, *argv]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["contract_ok"], got["mismatches"]
+    assert got["ratio"] == pytest.approx(1.0)
+    kinds = {row["kind"]: row["count"] for row in got["collectives"]}
+    assert kinds["all-reduce"] == 1  # the loss alone
+    assert kinds["reduce-scatter"] == kinds["all-gather"] >= 1
+
+
+def test_tiles_probe_the_compiler_for_a_row_count_it_keeps():
+    """On v5e:2x4 a bucket of 433 tiles per chip loses its reduce-scatter; the probe moves it to
+    the next row count the compiler keeps (< 1% padding). On v5e:4x4 the compiler keeps no
+    reduce-scatter at all: the fewest tiles, and a warning that the bucket costs twice."""
+    from jax.experimental import topologies
+
+    from shardkit.mesh import make_mesh
+    from shardkit.parallel import tiles as tl
+
+    def mesh(topology: str, n: int):
+        return make_mesh({"data": n}, topologies.get_topology_desc(topology, "tpu").devices)
+
+    v5e8 = mesh("v5e:2x4", 8)
+    assert not tl._keeps_reduce_scatter(v5e8, "data", "float32", 433 * tl.ROWS)
+    kept = tl.Tiles(v5e8).elements(885_312)  # ViT-B/16's per-layer FSDP bucket per chip
+    assert tl._keeps_reduce_scatter(v5e8, "data", "float32", kept // tl.LANES)
+    assert 885_312 < kept < 1.01 * 885_312
+    with pytest.warns(UserWarning, match="twice the plan's bytes"):
+        assert tl.Tiles(mesh("v5e:4x4", 16)).elements(885_312) == 433 * tl.TILE_ELEMENTS
+
+
 def test_maxtexts_libtpu_flags_reach_the_compiler_and_overlap_ulysses(capsys):
     """``--tpu-flags maxtext`` passes MaxText's overlap flags to each compile (a compile-only
     libtpu does not read LIBTPU_INIT_ARGS): Ulysses' all-to-alls become async and some of

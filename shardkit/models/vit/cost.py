@@ -82,6 +82,7 @@ from shardkit.models.vit import cost_params as pc
 from shardkit.models.vit.geometry import STEP_END, WORD, Geometry, geometry, term
 from shardkit.models.vit.plan import TokenSplit, schedule
 from shardkit.parallel import pipeline
+from shardkit.parallel.tiles import Tiles
 
 
 def loopless(cfg: vit_ref.ViTConfig, plan: Plan) -> bool:
@@ -152,6 +153,7 @@ def expected(
     clip: bool = False,
     stage: int | None = None,
     split: TokenSplit | None = None,
+    tiles: Tiles | None = None,
 ) -> ViTExpectation:
     """The collectives one ``ShardedViT.train_step`` must run for (cfg, plan, global batch).
 
@@ -168,11 +170,13 @@ def expected(
         which also pools); stages differ only there.
       split: the token split of a model built on (cfg, plan) (``ShardedViT.layout.split``): its plan
         was checked when it was built, so only the batch is checked here.
+      tiles: the model's FSDP / ZeRO bucket tiles (``ShardedViT.layout.fsdp_tiles``); without
+        a model, ``platform="tpu"`` prices the fewest rows (``parallel.tiles``).
 
     Returns:
       An :class:`Expectation` whose ``summary()`` is what ``Ledger.summary()`` must equal.
     """
-    g = geometry(cfg, plan, batch, platform, split)
+    g = geometry(cfg, plan, batch, platform, split, tiles)
     if plan.pp == "none":
         body = [*_layer_terms(g), *_pool_terms(g), *pc.fsdp_terms(g), *pc.zero_terms(g)]
     else:

@@ -18,7 +18,7 @@ from shardkit.comm.bytes import all_gather_bytes, all_reduce_bytes
 from shardkit.comm.terms import Term
 from shardkit.models.vit.geometry import STEP_END, WORD, Axes, Geometry, term
 from shardkit.models.vit.plan import param_axes, row_leaves
-from shardkit.parallel import data as dp
+from shardkit.parallel.tiles import bucket_elements
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +209,7 @@ def zero_terms(g: Geometry) -> list[Term]:
     by_split: dict[frozenset[str], int] = {}
     for leaf in leaves:
         by_split[frozenset(leaf.split)] = by_split.get(frozenset(leaf.split), 0) + leaf.local
-    sizes = [dp.bucket_elements(size, g.fsdp_tiles) for size in by_split.values()]
+    sizes = [bucket_elements(size, g.fsdp_tiles) for size in by_split.values()]
     gathered = all_gather_bytes(sum(sizes) * n * WORD, n)
     count = len(sizes)
     gathers = term(g, "all-gather", ["data"], count, gathered / count, "updated params", STEP_END)
@@ -234,15 +234,15 @@ def fsdp_group(
 
     A leaf's ``local`` elements times n is its gathered size; block leaves hold all l layers,
     so a bucket's ``runs`` each move 1/runs of its elements: (n−1)/n · Σ local·n·w. FSDP's
-    buckets and ZeRO's (``g.fsdp_tiles``: on a TPU) are padded to whole tiles
-    (``data.bucket_elements``).
+    buckets and ZeRO's (``g.fsdp_tiles``: on a TPU) are padded to the tiles the TPU compiler
+    keeps (``parallel.tiles``).
     """
     n = g.plan.size("data")
     if not leaves:
         return []
     buckets = fsdp_buckets(g, leaves)
     sizes = [sum(leaf.local for leaf in bucket) // runs for bucket in buckets]
-    sizes = [dp.bucket_elements(size, g.fsdp_tiles) for size in sizes]
+    sizes = [bucket_elements(size, g.fsdp_tiles) for size in sizes]
     count = len(buckets) * runs
     total = all_gather_bytes(sum(sizes) * runs * n * WORD, n)
     return term(g, kind, ["data"], count, total / count, what, phase)

@@ -17,6 +17,7 @@ from shardkit.comm.ledger import GROUPS, shift
 from shardkit.comm.terms import Term
 from shardkit.mesh import Plan
 from shardkit.models.vit.plan import TokenSplit, check_batch, check_plan, token_split
+from shardkit.parallel.tiles import Tiles
 
 Axes = tuple[str, ...]
 WORD = 4  # float32: params, gradients, residual stream, LayerNorm outputs
@@ -34,7 +35,7 @@ class Geometry:
       attention: "local", "ring", "ulysses" or "usp" (as ``ShardedViT`` resolves the plan).
       ring_axis / ulysses_axis: the axes of the ring and of the Ulysses all-to-alls (or None).
       act: bytes per element of an activation collective (4 on CPU, see module docstring).
-      fsdp_tiles: FSDP's buckets travel as padded tiles (on a TPU: ``data.bucket_elements``).
+      fsdp_tiles: FSDP's and ZeRO's buckets travel as tiles (on a TPU: ``parallel.tiles``).
     """
 
     cfg: vit_ref.ViTConfig
@@ -47,7 +48,7 @@ class Geometry:
     ring_axis: str | None
     ulysses_axis: str | None
     act: int
-    fsdp_tiles: bool = False
+    fsdp_tiles: Tiles | None = None
 
     @property
     def b(self) -> int:
@@ -95,11 +96,13 @@ def geometry(
     batch: int,
     platform: str = "cpu",
     split: TokenSplit | None = None,
+    tiles: Tiles | None = None,
 ) -> Geometry:
     """The per-device sizes of (cfg, plan, batch); PlanError if the plan cannot run ``cfg``.
 
     ``split``: the token split of a model already built on (cfg, plan) (``ShardedViT.layout.split``,
-    made once its plan was checked): then only the batch is checked here.
+    made once its plan was checked): then only the batch is checked here. ``tiles``: the
+    model's FSDP / ZeRO bucket tiles (``Layout.fsdp_tiles``); on paper, "tpu" takes the fewest.
     """
     if split is None:
         check_plan(cfg, plan, batch)
@@ -109,7 +112,8 @@ def geometry(
     act = WORD if platform == "cpu" or cfg.dtype == "float32" else 2
     return Geometry(
         cfg, plan, batch, split.mesh_axes, split.sizes, split.token_axes, split.attention,
-        split.ring_axis, split.ulysses_axis, act, platform == "tpu",
+        split.ring_axis, split.ulysses_axis, act,
+        tiles if tiles is not None or platform != "tpu" else Tiles(),
     )  # fmt: skip
 
 

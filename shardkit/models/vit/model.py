@@ -84,6 +84,7 @@ from shardkit.parallel import sequence as sp
 from shardkit.parallel import vma
 from shardkit.parallel.collectives import all_gather
 from shardkit.parallel.tensor import attention_tp, mlp_tp
+from shardkit.parallel.tiles import Tiles
 from vit_ref import model as ref
 
 Params = dict[str, Any]
@@ -118,9 +119,9 @@ class Layout:
     overlap: bool = False
 
     @property
-    def fsdp_tiles(self) -> bool:
-        """FSDP's and ZeRO's buckets as padded tiles: on a TPU mesh (``data.bucket_elements``)."""
-        return platform(self.mesh) == "tpu"
+    def fsdp_tiles(self) -> Tiles | None:
+        """FSDP's and ZeRO's buckets as the tiles the TPU compiler keeps, on a TPU mesh."""
+        return Tiles(self.mesh) if platform(self.mesh) == "tpu" else None
 
     @property
     def token_shards(self) -> int:
@@ -245,7 +246,7 @@ def _encoder_local(
     zero_dims = sharded.gather_dims(state_specs(cfg, plan)["blocks"], "data", drop_leading=1)
 
     def gathered(p_layer: Params) -> Params:
-        return dp.fsdp_gather(p_layer, dims, tiled=lay.fsdp_tiles)
+        return dp.fsdp_gather(p_layer, dims, tiles=lay.fsdp_tiles)
 
     @vma.checked_block
     def block(x: Array, p_layer: Params) -> Array:
@@ -258,7 +259,7 @@ def _encoder_local(
         p_layer, f_layer = layer
         p_layer = gathered(p_layer)
         if f_layer is not None:
-            p_layer = dp.zero_attach(p_layer, f_layer, zero_dims, tiled=lay.fsdp_tiles)
+            p_layer = dp.zero_attach(p_layer, f_layer, zero_dims, tiles=lay.fsdp_tiles)
         return block(x, p_layer)
 
     x, _ = ref.run_layers(ref.remat_block(body, plan.remat), x, (blocks, frags), plan.layers)
@@ -317,11 +318,11 @@ def _logits_local(
     frag_outer = None if frags is None else _split_blocks(frags)
     specs = param_specs(cfg, plan)
     dims = sharded.gather_dims({k: specs[k] for k in outer}, "data")
-    outer = dp.fsdp_gather(outer, dims, tiled=lay.fsdp_tiles)
+    outer = dp.fsdp_gather(outer, dims, tiles=lay.fsdp_tiles)
     if frag_outer is not None:
         zero = state_specs(cfg, plan)
         dims = sharded.gather_dims({k: zero[k] for k in outer}, "data")
-        outer = dp.zero_attach(outer, frag_outer, dims, tiled=lay.fsdp_tiles)
+        outer = dp.zero_attach(outer, frag_outer, dims, tiles=lay.fsdp_tiles)
     x = _embed_local(outer, images, cfg, lay)
     x = _encoder_local(x, params["blocks"], cfg, plan, lay, frags=frags and frags["blocks"])
     return _head_local(outer, x, cfg, lay)
@@ -509,7 +510,7 @@ class ShardedViT(sharded.ShardedModel):
         """logits[B_data, O]: the schedule's forwards alone (``pipeline.pipeline_forward``)."""
         plan = self.plan
         embed_fn, stage_fn, head_fn = _pipeline_fns(self.cfg, plan, self.layout)
-        whole = dp.fsdp_gather(params, self.gather_dims(), tiled=self.fsdp_tiles)
+        whole = dp.fsdp_gather(params, self.gather_dims(), tiles=self.fsdp_tiles)
         embed_p, head_p = _split_outer(whole)
         logits = pl.pipeline_forward(
             schedule(self.cfg, plan),

@@ -104,7 +104,10 @@ def model_report(
     the clipped step ``shardkit train`` runs)."""
     ledger = measure_step(model, batch, optimizer, clip_norm)
     clip = clip_norm is not None
-    return report_of(ledger, model.cfg, model.plan, batch, clip=clip, split=model.layout.split)
+    lay = model.layout
+    return report_of(
+        ledger, model.cfg, model.plan, batch, clip=clip, split=lay.split, tiles=lay.fsdp_tiles
+    )
 
 
 def report_of(
@@ -159,7 +162,13 @@ def model_inspect(
     if platform == "tpu" and model.cfg.dtype == "float32":  # the compiler's bf16 rounding
         ledger, narrowed = widened(ledger, "f32")
     result = report_of(
-        ledger, model.cfg, model.plan, batch, platform=platform, split=model.layout.split
+        ledger,
+        model.cfg,
+        model.plan,
+        batch,
+        platform=platform,
+        split=model.layout.split,
+        tiles=model.layout.fsdp_tiles,
     )
     if platform == "tpu":  # its combine threshold may keep fused step-end all-reduces apart
         others = tuple((s, dataclasses.replace(r, apart_ok=True)) for s, r in result.others)
