@@ -90,6 +90,16 @@ def test_zero_keeps_its_gathers_and_reduce_scatters_on_the_tpu_compiler(capsys, 
     assert kinds == {"all-reduce": 1, "all-gather": 1, "reduce-scatter": 1 if zero == "1" else 3}
 
 
+def test_a_bf16_ring_sends_its_last_dkv_hop_in_bf16_and_holds_exactly(capsys):
+    """In a bf16 model the ring's float32 dK/dV accumulators make their last hop home already
+    cast to bf16 (the TPU compiler moved that cast before the permute, and the contract read
+    0.976x); the program now writes it so, and the contract holds with nothing narrowed."""
+    got = inspect_json(capsys, "--mesh", "data=2,seq=4", "--sp", "ring", "--dtype", "bfloat16")
+    assert got["contract_ok"], got["mismatches"]
+    assert got["ratio"] == pytest.approx(1.0)
+    assert got["narrowed"]["count"] == 0
+
+
 @pytest.mark.parametrize(
     "argv",
     [["--variant", "B/16", "--depth", "1", "--fsdp"], ["--variant", "S/16", "--depth", "2",

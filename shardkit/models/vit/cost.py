@@ -379,8 +379,9 @@ def _ring_terms(g: Geometry) -> list[Term]:
     blocks visit every device: r−1 hops each (a device already holds its own block), the
     fewest that bring every key to every query without an all-gather. Backward (hand-written,
     saving only q, k, v, out, lse) sends K, V round again (r−1 hops each) with float32 dK, dV
-    accumulators that need r hops to return to their owner.
-      forward  2·l·(r−1) × E·w;   backward 2·l·(r−1) × E·w + 2·l·r × E·4
+    accumulators that need r hops to return to their owner, the last in K's dtype (the sums
+    are complete: the cast that follows moves before the permute).
+      forward  2·l·(r−1) × E·w;   backward 2·l·(r−1) × E·w + 2·l·(r−1) × E·4 + 2·l × E·w
     In USP the ring runs on h_X/u heads of u·t tokens: the same E.
     remat: the re-run forward sends K and V round again, 2·l·(r−1) hops; when r = 2 its one
     hop is the backward's first hop exactly (both loops have one trip and vanish), and XLA
@@ -401,7 +402,8 @@ def _ring_terms(g: Geometry) -> list[Term]:
             2 * layers * (r - 1), permute_bytes(e * g.act), "K, V blocks round the ring", "forward"
         ),
         *hop(again, permute_bytes(e * g.act), "K, V round again", "backward"),
-        *hop(2 * layers * r, permute_bytes(e * WORD), "dK, dV accumulators home", "backward"),
+        *hop(2 * layers * (r - 1), permute_bytes(e * WORD), "dK, dV accumulators", "backward"),
+        *hop(2 * layers, permute_bytes(e * g.act), "dK, dV home, in K's dtype", "backward"),
         *hop(redo, permute_bytes(e * g.act), "K, V for the re-run forward", "recompute"),
     ]
 

@@ -318,8 +318,10 @@ def _ring_bwd(
     dq, dk, dv = grads(dq, block(kv, 0), 0)
     if n > 1:
         (dq, _, (dk, dv)), _ = jax.lax.scan(hop, (dq, kv, (dk, dv)), jnp.arange(1, n))
-        # n-th hop for dK, dV only: each accumulator returns to the device that owns its block.
-        dk, dv = jax.lax.ppermute((dk, dv), axis, _ring_perm(n))
+        # n-th hop for dK, dV only: each accumulator returns to the device that owns its block,
+        # already in K's and V's dtype (the same values: a cast commutes with the permute; in a
+        # bf16 model half the bytes, what the TPU compiler would otherwise rewrite it to).
+        dk, dv = jax.lax.ppermute((dk.astype(k.dtype), dv.astype(v.dtype)), axis, _ring_perm(n))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), (None, None)
 
 
