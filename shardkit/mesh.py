@@ -39,6 +39,7 @@ ZERO_LEVELS = (0, 1, 2, 3)  # none, optimizer state, + gradients, + params (FSDP
 REMAT_POLICIES = ("none", "dots", "full")
 LAYER_LOOPS = ("scan", "unrolled")
 KERNELS = ("auto", "jnp", "pallas")  # attention's compute: shardkit.kernels
+GRAD_SYNC = ("float32", "bfloat16")  # the dtype gradient all-reduces travel in
 
 
 class PlanError(ValueError):
@@ -225,6 +226,9 @@ class Plan:
       kernel: attention's per-device compute (``KERNELS``): "jnp", "pallas" (JAX's splash
         kernels, ``shardkit.kernels``; Pallas' interpreter off a TPU) or "auto" (Pallas on a
         TPU backend, else jnp). It moves no bytes.
+      grad_sync: the dtype the gradient all-reduces travel in (``GRAD_SYNC``): "float32", or
+        "bfloat16" (half the bytes on a TPU, as XLA's partitioner sends a bf16 model's
+        gradients; each device's partial gradient rounded to bf16 first).
       overlap: run Megatron-SP's all-gathers and reduce-scatters as collective matmuls
         (``parallel.overlap``: ppermute rings a TPU schedules under the matmuls; the same
         bytes in n − 1 steps), and FSDP's gather of each layer one layer ahead
@@ -245,6 +249,7 @@ class Plan:
     virtual: int = 1
     kernel: str = "auto"
     overlap: bool = False
+    grad_sync: str = "float32"
 
     def __post_init__(self) -> None:
         full = {**dict.fromkeys(AXES, 1), **self.mesh}
@@ -275,6 +280,10 @@ class Plan:
             )
         if self.kernel not in KERNELS:
             raise PlanError(f"Unknown kernel {self.kernel!r}; choose one of {', '.join(KERNELS)}.")
+        if self.grad_sync not in GRAD_SYNC:
+            raise PlanError(
+                f"Unknown --grad-sync {self.grad_sync!r}; choose one of {', '.join(GRAD_SYNC)}."
+            )
         if self.zero not in ZERO_LEVELS:
             raise PlanError(f"--zero must be one of 0, 1, 2, 3, got {self.zero!r}.")
         if self.fsdp and self.zero not in (0, 3):
@@ -367,3 +376,19 @@ def logical_specs(axes_tree: Any, rules: dict[str, str]) -> Any:
         axes_tree,
         is_leaf=lambda x: isinstance(x, tuple),
     )
+
+
+def without_axes(specs: Any, axes: Sequence[str]) -> Any:
+    """``specs`` with ``axes`` removed from every entry (what stays split over the rest)."""
+
+    def entry(e: Any) -> Any:
+        kept = tuple(a for a in ((e,) if isinstance(e, str) else tuple(e or ())) if a not in axes)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    def without(spec: P) -> P:
+        entries = [entry(e) for e in spec]
+        while entries and entries[-1] is None:  # P(None, None) is P(), spelt as logical_specs does
+            entries.pop()
+        return P(*entries)
+
+    return jax.tree.map(without, specs, is_leaf=lambda x: isinstance(x, P))

@@ -43,6 +43,7 @@ def assert_one_sentence(err: Exception) -> None:
         (lambda: Plan(microbatches=0), "--microbatches must be a positive integer, got 0"),
         (lambda: Plan(virtual=-1), "--virtual must be a positive integer, got -1"),
         (lambda: Plan(kernel="cuda"), "Unknown kernel 'cuda'; choose one of auto, jnp, pallas"),
+        (lambda: Plan(grad_sync="fp8"), "Unknown --grad-sync 'fp8'; choose one of float32, bf"),
         (
             lambda: Plan({"data": 2, "model": 2}, overlap=True),
             "--overlap runs Megatron-SP's all-gathers and reduce-scatters as collective matmuls "

@@ -16,7 +16,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from shardkit.mesh import KERNELS, LAYER_LOOPS, PP_MODES, REMAT_POLICIES, SP_MODES, ZERO_LEVELS
+from shardkit.mesh import (
+    GRAD_SYNC,
+    KERNELS,
+    LAYER_LOOPS,
+    PP_MODES,
+    REMAT_POLICIES,
+    SP_MODES,
+    ZERO_LEVELS,
+)
 
 DEFAULT_MODEL = dict(
     image=32, patch=4, channels=3, classes=10, dim=64, depth=2, heads=8, mlp_dim=128, pool="tok"
@@ -92,6 +100,12 @@ def add_plan_opts(p: argparse.ArgumentParser) -> None:
                    help="chunks per stage (interleaved; 1; zbv: 2)")  # fmt: skip
     g.add_argument("--overlap", action="store_true", help="--sp megatron as collective "
                    "matmuls; --fsdp gathers each layer one layer ahead")  # fmt: skip
+    g.add_argument(
+        "--grad-sync",
+        choices=GRAD_SYNC,
+        help="the dtype gradient all-reduces "
+        "travel in (float32, the default; bfloat16: half the bytes on a TPU)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -217,6 +231,7 @@ def plan_from_args(args: argparse.Namespace) -> Any:
         layers=args.layers or "scan",
         kernel=args.kernel or "auto",
         overlap=args.overlap,
+        grad_sync=args.grad_sync or "float32",
         pp=args.pp or "none",
         microbatches=1 if args.microbatches is None else args.microbatches,
         virtual=1 if args.virtual is None else args.virtual,

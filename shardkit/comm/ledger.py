@@ -60,7 +60,7 @@ from __future__ import annotations
 import dataclasses
 import linecache
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -183,17 +183,18 @@ class Narrowing:
     bytes_saved: float = 0.0
 
 
-def widened(ledger: Ledger, dtype: str) -> tuple[Ledger, Narrowing]:
+def widened(ledger: Ledger, dtype: str, written: Sequence[str] = ()) -> tuple[Ledger, Narrowing]:
     """``ledger`` with every 16-bit float collective of a program whose floats are ``dtype``
     (e.g. "f32") counted at that width (what the program wrote, so its contract applies), and
-    what the narrowing saved. A program that is itself 16-bit is returned as it is."""
+    what the narrowing saved; but the ``written`` kinds, which the program itself sends in
+    16 bits (a bf16 gradient sync's all-reduces). A 16-bit program is returned as it is."""
     bits = {"f32": 32, "f64": 64}.get(dtype)
     if bits is None:
         return ledger, Narrowing()
     out, count, saved = [], 0, 0.0
     for c in ledger.collectives:
         narrow = [i for i, d in enumerate(c.dtypes) if d in NARROW_FLOATS]
-        if not narrow:
+        if not narrow or c.kind in written:
             out.append(c)
             continue
         wide = sum(

@@ -35,6 +35,8 @@ The generic layer under every sharded model here (``ShardedViT`` is one user of 
                gradients and optimizer state stay float32; ``keep_float32`` lists path
                prefixes of leaves that stay float32 (norm scales, say). What the forward
                computes in which dtype beyond its params is ``loss_local``'s choice.
+  grad_sync    the dtype the gradient all-reduces travel in: "float32" or "bfloat16" (as
+               XLA's partitioner sends a bf16 model's: ``data.narrowed``).
 
 and get, per leaf, its ``PartitionSpec``, the axes its gradient is a partial sum over
 (``sync_axes``), the dim FSDP gathers (``gather_dims``), the optimizer state sharded like the
@@ -73,7 +75,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
-from shardkit.mesh import PlanError, logical_specs, platform
+from shardkit.mesh import GRAD_SYNC, PlanError, logical_specs, platform, without_axes
 from shardkit.models import staged
 from shardkit.parallel import data as dp
 from shardkit.parallel import remat as remat_policies
@@ -234,6 +236,7 @@ class ShardedModel:
         keep_float32: Sequence[str] = (),
         aux: bool = False,
         remat: str = "none",
+        grad_sync: str = "float32",
     ) -> None:
         missing = [a for a in (*batch_axes, *token_axes) if a not in mesh.shape]
         if missing:
@@ -248,7 +251,10 @@ class ShardedModel:
             raise PlanError(f"zero must be 1, 2 or 3 (the ZeRO level), got {zero!r}.")
         if compute_dtype not in (None, "float32", "bfloat16"):
             raise PlanError(f"compute_dtype must be float32 or bfloat16, got {compute_dtype!r}.")
+        if grad_sync not in GRAD_SYNC:
+            raise PlanError(f"grad_sync must be one of {', '.join(GRAD_SYNC)}, got {grad_sync!r}.")
         self.compute_dtype, self.keep_float32, self.aux = compute_dtype, tuple(keep_float32), aux
+        self.grad_sync = grad_sync
         try:
             self.remat = remat_policies.check(remat)
         except ValueError as err:
@@ -261,7 +267,9 @@ class ShardedModel:
         # too under ZeRO-3, replicated over the batch axes under ZeRO-1 and ZeRO-2.
         self.state_specs = logical_specs(param_axes, self.rules)
         self.zero = zero
-        self.specs = self.state_specs if zero == 3 else _without(self.state_specs, self.batch_axes)
+        self.specs = (
+            self.state_specs if zero == 3 else without_axes(self.state_specs, self.batch_axes)
+        )
         self.token_axes = tuple(token_axes)
         default = P(self.batch_axes) if self.batch_axes else P()
         self.batch_specs = tuple(batch_specs) if batch_specs is not None else (default,)
@@ -441,9 +449,9 @@ class ShardedModel:
         """Sums the partial gradients over their ``sync_axes`` (``data.sync_grads``); a model
         whose gradients are disjoint slices somewhere overrides it to gather those instead.
         Returns (gradients, the loss from ``share`` as ``riding`` sums it, or None)."""
-        tree, axes = self.riding(grads, self.sync_axes, share)
-        synced = dp.sync_grads(tree, axes)
-        return synced["grads"], synced.get("loss")
+        tree, axes = self.riding(dp.narrowed(grads, self.grad_sync), self.sync_axes, share)
+        synced = dp.sync_grads(tree, axes)  # the gradients in grad_sync's dtype, the loss not
+        return dp.cast_like(synced["grads"], grads), synced.get("loss")
 
     def riding(self, grads: PyTree, axes: PyTree, share: Array | None) -> tuple[dict, dict]:
         """``data.sync_grads``' (tree, axes) for ``grads`` synced over ``axes`` with the loss
@@ -582,19 +590,3 @@ def _warn_unsplit_batch(batch_specs: Sequence[P], batch_axes: Axes) -> None:
                 f"it (split dim 0 over {batch_axes[0]!r}, e.g. P({batch_axes[0]!r})).",
                 stacklevel=3,
             )
-
-
-def _without(specs: PyTree, axes: Axes) -> PyTree:
-    """``specs`` with ``axes`` removed from every entry (what stays split over the rest)."""
-
-    def entry(e: Any) -> Any:
-        kept = tuple(a for a in _spec_axes(P(e)) if a not in axes)
-        return None if not kept else kept[0] if len(kept) == 1 else kept
-
-    def without(spec: P) -> P:
-        entries = [entry(e) for e in spec]
-        while entries and entries[-1] is None:  # P(None, None) is P(), spelt as logical_specs does
-            entries.pop()
-        return P(*entries)
-
-    return jax.tree.map(without, specs, is_leaf=_is_spec)

@@ -93,6 +93,24 @@ def sync_grads(grads: PyTree, axes_tree: PyTree) -> PyTree:
     return jax.tree.unflatten(treedef, out)
 
 
+def narrowed(grads: PyTree, dtype: str) -> PyTree:
+    """``grads`` for a gradient sync in ``dtype``: float leaves wider than it cast to it.
+
+    "bfloat16" is what XLA's partitioner sends a bf16 model's gradients in: half the bytes of
+    a float32 all-reduce on a TPU, each device's partial gradient rounded to bf16 first (the
+    loss and the ZeRO / FSDP reduce-scatters are not passed here: they stay float32). XLA:CPU
+    widens a bf16 all-reduce to float32: on CPU only the rounding differs. Undo with
+    ``cast_like`` after ``sync_grads``."""
+    to = jnp.dtype(dtype)
+    wider = lambda x: jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > to.itemsize  # noqa: E731
+    return jax.tree.map(lambda x: x.astype(to) if wider(x) else x, grads)
+
+
+def cast_like(tree: PyTree, like: PyTree) -> PyTree:
+    """Each leaf of ``tree`` in the dtype of ``like``'s (``narrowed`` undone)."""
+    return jax.tree.map(lambda x, y: x.astype(y.dtype), tree, like)
+
+
 def _check_unreduced(leaf: Array, axes: Axes, path: str) -> None:
     invariant = [a for a in axes if a not in varying_axes(leaf) and jax.lax.axis_size(a) > 1]
     if invariant:

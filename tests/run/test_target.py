@@ -121,6 +121,19 @@ def test_large_buckets_keep_their_reduce_scatters_on_the_tpu_compiler(capsys, ar
     assert kinds["reduce-scatter"] == kinds["all-gather"] >= 1
 
 
+def test_bf16_gradient_sync_halves_the_all_reduce_bytes_on_the_tpu_compiler(capsys):
+    """``--grad-sync bfloat16`` (XLA auto's bf16 gradient all-reduce as a plan option): DP 8's
+    gradient bucket travels in bf16, half the bytes, held exactly by the contract; the float32
+    loss then travels apart, named as kept apart, and nothing is read as narrowed."""
+    f32, bf16 = (inspect_json(capsys, "--mesh", "data=8", "--grad-sync", dtype)
+                 for dtype in ("float32", "bfloat16"))  # fmt: skip
+    assert bf16["contract_ok"], bf16["mismatches"]
+    assert bf16["measured_bytes_sent"] == pytest.approx(f32["measured_bytes_sent"] / 2, rel=1e-3)
+    assert bf16["narrowed"]["count"] == 0
+    assert bf16["kept_apart"] == ["all-reduce over data: 2 ops where the contract fuses them "
+                                  "into 1, the same bytes"]  # fmt: skip
+
+
 def test_tiles_probe_the_compiler_for_a_row_count_it_keeps():
     """On v5e:2x4 a bucket of 433 tiles per chip loses its reduce-scatter; the probe moves it to
     the next row count the compiler keeps (< 1% padding). On v5e:4x4 the compiler keeps no

@@ -137,6 +137,7 @@ class ViTExpectation(Expectation):
             "fsdp": p.fsdp,
             "zero": p.zero,
             "remat": p.remat,
+            "grad_sync": p.grad_sync,
             "pp": p.pp,
             "microbatches": p.microbatches,
             "virtual": p.virtual,

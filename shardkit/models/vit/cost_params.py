@@ -86,9 +86,11 @@ def gradient_terms(g: Geometry) -> list[Term]:
     A bucket holds the leaves that share (sync axes, varying axes, dtype) — the varying axes
     being the sync axes plus the axes that split the leaf, so model-split and model-replicated
     leaves never share a flat buffer — concatenated and reduced once: 2(n−1)/n · P_bucket·w
-    with P_bucket the LOCAL elements. Each element must cross the group once in each ring
-    phase, so no scheme sends fewer bytes. At the step's end all buckets over the same axes,
-    and the loss over data, are independent, and XLA's all-reduce combiner runs them as ONE op.
+    with P_bucket the LOCAL elements (w: ``g.grad_word``, 2 under bf16 gradient sync off the
+    CPU; the loss then travels apart, in float32). Each element must cross the group once in
+    each ring phase, so no scheme sends fewer bytes. At the step's end all buckets over the
+    same axes, and the loss over data, are independent, and XLA's all-reduce combiner runs
+    them as ONE op.
     The token-indexed leaves (``_row_terms``) are not partial sums over the token axes: only
     their own rows' slice joins the buckets (over data).
     """
@@ -110,7 +112,7 @@ def gradient_terms(g: Geometry) -> list[Term]:
     terms = []
     for (axes, varying), size in buckets.items():
         what = f"gradient bucket of {size:,} elements varying over {','.join(sorted(varying))}"
-        each = all_reduce_bytes(size * WORD, g.n(axes))
+        each = all_reduce_bytes(size * g.grad_word, g.n(axes))
         terms.append(Term("all-reduce", axes, 1, each, what, STEP_END, fused=STEP_END))
     return [*terms, *row_terms(g)]
 

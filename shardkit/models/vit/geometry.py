@@ -36,6 +36,8 @@ class Geometry:
       ring_axis / ulysses_axis: the axes of the ring and of the Ulysses all-to-alls (or None).
       act: bytes per element of an activation collective (4 on CPU, see module docstring).
       fsdp_tiles: FSDP's and ZeRO's buckets travel as tiles (on a TPU: ``parallel.tiles``).
+      grad_word: bytes per element of a gradient all-reduce (2 with ``grad_sync="bfloat16"``
+        off the CPU, whose all-reduces widen bf16 to float32).
     """
 
     cfg: vit_ref.ViTConfig
@@ -49,6 +51,7 @@ class Geometry:
     ulysses_axis: str | None
     act: int
     fsdp_tiles: Tiles | None = None
+    grad_word: int = WORD
 
     @property
     def b(self) -> int:
@@ -114,6 +117,7 @@ def geometry(
         cfg, plan, batch, split.mesh_axes, split.sizes, split.token_axes, split.attention,
         split.ring_axis, split.ulysses_axis, act,
         tiles if tiles is not None or platform != "tpu" else Tiles(),
+        2 if plan.grad_sync == "bfloat16" and platform != "cpu" else WORD,
     )  # fmt: skip
 
 

@@ -388,6 +388,7 @@ class ShardedViT(sharded.ShardedModel):
             token_free=TOKEN_FREE,
             gather=False,  # one layer at a time, inside the layer loop
             zero=plan.zero or 3,  # no rule splits over data below ZeRO-1
+            grad_sync=plan.grad_sync,
         )
 
     def __repr__(self) -> str:
@@ -401,6 +402,7 @@ class ShardedViT(sharded.ShardedModel):
         )
         kernel = "" if self.plan.kernel == "auto" else f", kernel={self.plan.kernel}"
         kernel += ", overlap" if self.plan.overlap else ""
+        kernel += ", grad_sync=bfloat16" if self.plan.grad_sync == "bfloat16" else ""
         return (
             f"ShardedViT(mesh={format_mesh(self.plan.mesh)}, sp={self.plan.sp!r}, "
             f"zero={self.plan.zero}, remat={self.plan.remat}, layers={self.plan.layers}{pp}"
@@ -471,10 +473,11 @@ class ShardedViT(sharded.ShardedModel):
         rest = {k: v for k, v in grads.items() if k not in rows}
         axes = {k: self.sync_axes[k] for k in rest}
         own = tuple(a for a in self.sync_axes["pos_embedding"] if a not in token_axes)
-        tree, tree_axes = self.riding({**rest, "rows": _own_rows(grads, self.cfg, self.layout)},
-                                      {**axes, "rows": own}, share)  # fmt: skip
+        rest = {**rest, "rows": _own_rows(grads, self.cfg, self.layout)}
+        tree, tree_axes = self.riding(dp.narrowed(rest, self.grad_sync), {**axes, "rows": own},
+                                      share)  # fmt: skip
         synced = dp.sync_grads(tree, tree_axes)
-        inner = synced["grads"]
+        inner = dp.cast_like(synced["grads"], rest)
         # The token rows never overlap: gathering them sums them, and makes them invariant.
         whole = all_gather(inner.pop("rows"), token_axes, tiled=True, to="invarying")
         return {**inner, **_from_rows(whole, self.cfg, self.layout)}, synced.get("loss")

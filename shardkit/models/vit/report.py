@@ -160,7 +160,8 @@ def model_inspect(
     if hlo_path is not None:
         pathlib.Path(hlo_path).write_text(ledger.hlo)
     if platform == "tpu" and model.cfg.dtype == "float32":  # the compiler's bf16 rounding
-        ledger, narrowed = widened(ledger, "f32")
+        bf16_sync = ("all-reduce",) if model.plan.grad_sync == "bfloat16" else ()
+        ledger, narrowed = widened(ledger, "f32", bf16_sync)
     result = report_of(
         ledger,
         model.cfg,
