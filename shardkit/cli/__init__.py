@@ -204,11 +204,13 @@ def model_config(
     return config.model_config(overrides, args.variant, defaults, head_zeroinit)
 
 
-def with_layers(cases: list[Any], args: argparse.Namespace) -> list[Any]:
-    """The matrix's cases with ``--layers`` and ``--kernel`` (those given) in every plan."""
+def with_matrix_options(cases: list[Any], args: argparse.Namespace) -> list[Any]:
+    """The matrix's cases with ``--layers``, ``--kernel`` and ``--grad-sync`` (those given) in
+    every plan."""
     import dataclasses
 
-    given = {k: v for k, v in (("layers", args.layers), ("kernel", args.kernel)) if v}
+    options = ("layers", "kernel", "grad_sync")
+    given = {k: getattr(args, k) for k in options if getattr(args, k)}
     return [dataclasses.replace(c, plan=dataclasses.replace(c.plan, **given)) for c in cases]
 
 
@@ -288,7 +290,7 @@ def run_verify(args: argparse.Namespace) -> int:
     if plan_given(args):
         cases = [verify.Case("custom", plan_from_args(args))]
     else:
-        cases = with_layers(verify.default_matrix(args.devices), args)
+        cases = with_matrix_options(verify.default_matrix(args.devices), args)
     models = verify.prepare(cfg, cases, args.batch)  # every plan checked before anything runs
     if plan_given(args):
         _note(cfg, cases[0].plan)

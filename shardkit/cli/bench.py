@@ -22,7 +22,7 @@ from shardkit.cli import (
     plan_from_args,
     plan_given,
     setup_devices,
-    with_layers,
+    with_matrix_options,
 )
 from shardkit.mesh import REMAT_POLICIES, parse_mesh
 
@@ -69,7 +69,7 @@ def _bench_cases(args: argparse.Namespace) -> list[Any]:
         if args.strategies:
             raise UsageError("give either --strategies or plan options (--mesh ...), not both.")
         return [Case("custom", plan_from_args(args))]
-    cases = with_layers(bench.strategies(args.devices), args)
+    cases = with_matrix_options(bench.strategies(args.devices), args)
     chosen = _chosen(args.strategies, {case.name: case for case in cases})
     return list(chosen.values())
 

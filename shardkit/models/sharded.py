@@ -247,12 +247,7 @@ class ShardedModel:
             raise PlanError("Give loss_local (or a pipeline, whose stages compute the loss).")
         if pipeline is not None and aux != (pipeline.metrics is not None):
             raise PlanError("Under a pipeline, give aux=True exactly when its Stages have metrics.")
-        if zero not in (1, 2, 3):
-            raise PlanError(f"zero must be 1, 2 or 3 (the ZeRO level), got {zero!r}.")
-        if compute_dtype not in (None, "float32", "bfloat16"):
-            raise PlanError(f"compute_dtype must be float32 or bfloat16, got {compute_dtype!r}.")
-        if grad_sync not in GRAD_SYNC:
-            raise PlanError(f"grad_sync must be one of {', '.join(GRAD_SYNC)}, got {grad_sync!r}.")
+        _check_choices(zero=zero, compute_dtype=compute_dtype, grad_sync=grad_sync)
         self.compute_dtype, self.keep_float32, self.aux = compute_dtype, tuple(keep_float32), aux
         self.grad_sync = grad_sync
         try:
@@ -276,8 +271,7 @@ class ShardedModel:
         _warn_unsplit_batch(self.batch_specs, self.batch_axes)
         self.sync_axes = grad_sync_axes(self.state_specs, mesh, batch_axes, token_axes, token_free)
         self.gather = gather
-        # FSDP's and ZeRO's buckets as tiles the TPU compiler keeps, on a TPU, where flat
-        # ones become all-reduces (``parallel.tiles``).
+        # On a TPU: FSDP's and ZeRO's buckets as the tiles its compiler keeps (parallel.tiles).
         self.fsdp_tiles = Tiles(mesh) if platform(mesh) == "tpu" else None
         self.pipeline = pipeline
         if pipeline is not None:
@@ -572,6 +566,20 @@ class ShardedModel:
             )
 
         return jax.jit(step, donate_argnums=(0, 1))
+
+
+CHOICES = {
+    "zero": (1, 2, 3),
+    "compute_dtype": (None, "float32", "bfloat16"),
+    "grad_sync": GRAD_SYNC,
+}
+
+
+def _check_choices(**given: Any) -> None:
+    """PlanError (one sentence) for a ``ShardedModel`` argument outside its ``CHOICES``."""
+    for name, value in given.items():
+        if value not in CHOICES[name]:
+            raise PlanError(f"{name} must be one of {CHOICES[name]}, got {value!r}.")
 
 
 def _metrics(loss: Any) -> dict[str, Array]:

@@ -140,6 +140,9 @@ def test_errors_name_the_leaf_dim_and_axis():
         with pytest.raises(PlanError, match=r"Axis 'sequence' is not in the mesh"):
             ShardedModel(mesh, own.param_axes(LAYERS), {}, lambda p: 0.0,
                          token_axes=("sequence",))  # fmt: skip
+        with pytest.raises(PlanError, match=r"grad_sync must be one of \('float32', 'bfloat16'\), "
+                           r"got 'fp8'\."):  # fmt: skip
+            ShardedModel(mesh, own.param_axes(LAYERS), {}, lambda p: 0.0, grad_sync="fp8")
         short = {"w": ("embed",)}
         with pytest.raises(PlanError, match=r"The params have 1 leaves but param_axes names 1"
                            r"|has 2 dims"):  # fmt: skip
