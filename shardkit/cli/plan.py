@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from shardkit.cli import MODEL_FLAGS, TPU_FLAG_SETS, UsageError, add_model_opts, model_config
-from shardkit.mesh import KERNELS, LAYER_LOOPS, REMAT_POLICIES
+from shardkit.mesh import GRAD_SYNC, KERNELS, LAYER_LOOPS, REMAT_POLICIES
 
 
 def default_cache() -> pathlib.Path:
@@ -33,6 +33,12 @@ def add_parser(sub: Any) -> None:
                       "is compiled again with dots, then full)")  # fmt: skip
     plan.add_argument("--layers", choices=LAYER_LOOPS, default="scan")
     plan.add_argument("--kernel", choices=KERNELS, default="auto")
+    plan.add_argument(
+        "--grad-sync",
+        choices=GRAD_SYNC,
+        default="float32",
+        help="every plan's gradient all-reduce dtype (bfloat16: half the bytes)",
+    )
     plan.add_argument("--cache", metavar="DIR", help=f"compiled plans' facts (default "
                       f"{default_cache()}; 'none' to keep nothing)")  # fmt: skip
     plan.add_argument("--json", action="store_true", help="print one JSON object")
@@ -51,7 +57,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.variant is None and all(getattr(args, f) is None for f in MODEL_FLAGS):
         args.variant, args.dtype = "B/16", args.dtype or "bfloat16"
     cfg = model_config(args)
-    base = Plan(layers=args.layers, kernel=args.kernel)
+    base = Plan(layers=args.layers, kernel=args.kernel, grad_sync=args.grad_sync)
     remats = (args.remat,) if args.remat else planner.REMAT_LADDER
     where = args.cache or str(default_cache())
     cache = planner.Cache(None if where == "none" else where)

@@ -125,6 +125,8 @@ def label(plan: Plan) -> str:
         words.append(f"{plan.pp}×{plan.microbatches}")
     if plan.remat != "none":
         words.append(f"remat={plan.remat}")
+    if plan.grad_sync != "float32":
+        words.append(f"grads={plan.grad_sync}")
     return " ".join(words)
 
 
@@ -170,7 +172,7 @@ def _plans(mesh: dict[str, int], batch: int, base: Plan) -> Iterator[Plan]:
 
 def candidates(cfg: vit_ref.ViTConfig, chips: int, batch: int, base: Plan) -> list[Plan]:
     """Every plan of the families in the module docstring that runs ``cfg`` at ``batch`` on
-    ``chips`` devices (``check_plan``), with ``base``'s remat, layers and kernel."""
+    ``chips`` devices (``check_plan``), with ``base``'s remat, layers, kernel, grad sync."""
     from shardkit.run import config
 
     out = []

@@ -51,6 +51,17 @@ def test_the_paper_estimate_is_the_contract_and_the_paper_flops():
     assert piped.compute_s == pytest.approx(e.compute_s / (1 - 1 / 5))
 
 
+def test_bf16_gradient_sync_halves_the_paper_estimate_of_the_gradient_bucket():
+    """``plan --grad-sync bfloat16`` hands every candidate ``grad_sync``: on paper DP's
+    gradient bucket costs half (the loss stays float32), and the label says so."""
+    plans = planner.candidates(CFG, 8, 16, Plan(grad_sync="bfloat16"))
+    assert plans and all(p.grad_sync == "bfloat16" for p in plans)
+    f32, bf16 = (planner.analytic(CFG, Plan({"data": 8}, grad_sync=g), 16, V5E)
+                 for g in ("float32", "bfloat16"))  # fmt: skip
+    assert bf16.bytes_sent == pytest.approx(f32.bytes_sent / 2, rel=1e-3)
+    assert planner.label(bf16.plan) == "data=8 grads=bfloat16"
+
+
 def test_plans_whose_state_overflows_the_chip_are_dropped_before_compiling(capsys):
     """A 1.6-billion-parameter ViT: its float32 params and AdamW moments (19 GB) overflow a
     v5e's 16 GiB unless split; those plans are counted as dropped and never compiled."""
