@@ -444,7 +444,7 @@ def run_launch(args: argparse.Namespace) -> int:
 
 
 VIT_ONLY = (*MODEL_FLAGS, "variant", "pool", "posemb", "dtype", "precision", "ulysses", "zero",
-            "layers", "overlap", "hlo", "plot", "target", "tpu_flags",
+            "layers", "overlap", "grad_sync", "hlo", "plot", "target", "tpu_flags",
             "resume", "checkpoint_every", "keep", "eval_every", "cache", "data", "chip",
             "batches", "remats", "attention", "tokens", "ring")  # fmt: skip
 LM_ONLY = ("--experts", "--top-k", "--capacity-factor", "--documents", "--tied")
