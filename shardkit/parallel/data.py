@@ -184,7 +184,7 @@ def fsdp_gather(
     not split. With ``bucket`` (the default) the split leaves travel as ONE buffer per group
     of leaves sharing a dtype and varying axes (FSDP2's and DDP's buckets): each fragment is
     flattened with its split dim first, the concatenation is all-gathered once (flat, or with
-    with ``tiles`` as padded [r, 128] tiles the TPU compiler keeps: ``parallel.tiles``), and
+    ``tiles`` as padded [r, 128] tiles the TPU compiler keeps: ``parallel.tiles``), and
     every leaf is cut back out of the gathered buffer. Backward: one reduce-scatter per bucket
     (the transpose). Leaves with different varying axes never share a buffer: a concatenation
     would cast the invariant ones, and its transpose would all-reduce their cotangents.
@@ -223,7 +223,7 @@ def _bucket_gather(
     leaves: list[Array], dims: list[int | None], axis: str, to: str, tiles: Tiles | None = None
 ) -> list[Array]:
     """``w[D_X] -> w[D]`` for every split leaf, one all-gather per bucket (``tiles``: laid out
-    as ``tiles.wire`` says)."""
+    as ``parallel.tiles.wire`` says)."""
     out = list(leaves)
     for members in _buckets(leaves, dims):
         flat = [jnp.moveaxis(leaves[i], dim, 0).reshape(-1) for i, dim in members]

@@ -58,12 +58,13 @@ class Tiles:
 
     def elements(self, elements: int, axis: str = "data", dtype: jnp.dtype = jnp.float32) -> int:
         """The elements one device sends for a bucket of ``elements`` over ``axis``: under
-        ``MIN_TILED`` as they are (flat), else whole tiles of the row count the compiler keeps.
-        """
+        ``MIN_TILED`` as they are (flat); else whole tiles of the row count the compiler keeps
+        (the fewest where nothing is asked: on paper, off a TPU, over one device)."""
         if elements < MIN_TILED:
             return elements
         fewest = -(-elements // TILE_ELEMENTS)
-        if self.mesh is None or self.mesh.devices.flat[0].platform != "tpu":
+        mesh = self.mesh
+        if mesh is None or mesh.devices.flat[0].platform != "tpu" or mesh.shape[axis] == 1:
             return fewest * TILE_ELEMENTS
         return _kept_tiles(self.mesh, axis, jnp.dtype(dtype).name, fewest) * TILE_ELEMENTS
 
