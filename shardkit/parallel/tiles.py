@@ -21,7 +21,9 @@ all-reduce. Each answer is cached per mesh, axis, dtype and size (a probe compil
 0.1 s; a ViT-B/16 FSDP bucket on v5e:2x4 finds 436 tiles, 0.9% padding, in 0.6 s). Where
 none keeps it, or the slice keeps no small one either (v5e:4x4), the bucket takes the fewest
 rows, costs an all-reduce on that slice, and ``Tiles`` warns once. Off a TPU nothing is
-probed: the fewest rows.
+probed: the fewest rows. Every bucket is tiled, the smallest padded to one tile (2,048
+elements, 8 KiB of float32): below ~1,024 elements that is more than the all-reduce a flat
+bucket would become, but the program then sends the collectives its plan names, on any size.
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ from jax.sharding import PartitionSpec as P
 
 LANES, ROWS = 128, 16  # a tile: 16 rows of 128 lanes
 TILE_ELEMENTS = LANES * ROWS
-MIN_TILED = 16 * TILE_ELEMENTS  # smaller buckets travel flat (tiles would pad them > 6%)
 PROBES = 64  # row counts tried per bucket size before settling for the fewest
 _KINDS = re.compile(r"\b(all-reduce|reduce-scatter)(?:-start)?\(")
 
@@ -57,11 +58,9 @@ class Tiles:
     mesh: Mesh | None = None
 
     def elements(self, elements: int, axis: str = "data", dtype: jnp.dtype = jnp.float32) -> int:
-        """The elements one device sends for a bucket of ``elements`` over ``axis``: under
-        ``MIN_TILED`` as they are (flat); else whole tiles of the row count the compiler keeps
-        (the fewest where nothing is asked: on paper, off a TPU, over one device)."""
-        if elements < MIN_TILED:
-            return elements
+        """The elements one device sends for a bucket of ``elements`` over ``axis``: whole
+        tiles of the row count the compiler keeps (the fewest where nothing is asked: on
+        paper, off a TPU, over one device)."""
         fewest = -(-elements // TILE_ELEMENTS)
         mesh = self.mesh
         if mesh is None or mesh.devices.flat[0].platform != "tpu" or mesh.shape[axis] == 1:
@@ -77,7 +76,7 @@ def bucket_elements(elements: int, tiles: Tiles | None = None) -> int:
 
 def wire(flat: jax.Array, tiles: Tiles | None, axis: str) -> jax.Array:
     """[Σ] -> the bucket's wire layout: [r, 128] zero padded (``Tiles.elements``), or flat."""
-    if tiles is None or flat.size < MIN_TILED:
+    if tiles is None:
         return flat
     size = tiles.elements(flat.size, axis, flat.dtype)
     return jnp.pad(flat, (0, size - flat.size)).reshape(-1, LANES)

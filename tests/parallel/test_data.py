@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from shardkit import data as dp
 from shardkit import ledger
 from shardkit.mesh import make_mesh
-from shardkit.parallel.tiles import MIN_TILED, TILE_ELEMENTS, Tiles, bucket_elements
+from shardkit.parallel.tiles import TILE_ELEMENTS, Tiles, bucket_elements
 from shardkit.testing import assert_trees_close
 
 TOL = 1e-5
@@ -262,12 +262,12 @@ def test_fsdp_gradient_is_the_whole_gradient_reduce_scattered() -> None:
     assert sum(c.result_bytes for c in ar) <= params["scale"].nbytes + 4  # scale's grad (+ loss)
 
 
-def test_bucket_elements_pads_only_tiled_buckets_past_the_threshold() -> None:
+def test_bucket_elements_are_whole_tiles_the_fewest_off_a_tpu() -> None:
     """Off a TPU (or on paper) a tiled bucket takes the fewest [16, 128] tiles; the row
     counts a TPU slice keeps are probed (``tests/run/test_target.py``)."""
     for tiles in (Tiles(), Tiles(mesh_of(4))):
-        assert bucket_elements(MIN_TILED - 1, tiles) == MIN_TILED - 1  # small: flat
-        assert bucket_elements(MIN_TILED + 1, tiles) == MIN_TILED + TILE_ELEMENTS
+        assert bucket_elements(100, tiles) == TILE_ELEMENTS  # the smallest: one tile
+        assert bucket_elements(TILE_ELEMENTS + 1, tiles) == 2 * TILE_ELEMENTS
         assert bucket_elements(110_664, tiles) == 110_592 + 2048  # [r, 128], r = 16·k
     assert bucket_elements(110_664) == 110_664
 
@@ -295,7 +295,7 @@ def test_tiled_fsdp_buckets_equal_flat_ones() -> None:
     for k in params:
         np.testing.assert_array_equal(flat_grads[k], tiled_grads[k])
     sent = ledger.measure(loss(True), placed, mesh=mesh).select("all-gather")
-    assert bucket_elements(34_000, Tiles()) == 34_816 > 34_000 >= MIN_TILED
+    assert bucket_elements(34_000, Tiles()) == 34_816 > 34_000
     assert [c.result_bytes for c in sent] == [4 * 34_816 * 4]  # n · padded · float32
 
 
