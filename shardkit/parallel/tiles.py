@@ -10,8 +10,9 @@ all-reduces, twice the bytes, unless the bucket travels in a shape it keeps (doc
   Measured with libtpu as of JAX 0.10.2, float32 and bf16 alike: on v5e:2x4 exactly the k
   divisible by ⌈k / 152⌉ (every k up to 152, the even ones to 304, multiples of 3 to 456, ...:
   the compiler seems to cut the operand into ⌈k / 152⌉ equal pieces or give up); on v5e:4x8
-  the same with 50 for 152; on v5e:2x2 another rule; on v5e:4x4 none at all (even a bare
-  ``psum_scatter`` becomes an all-reduce there).
+  the same with 50 for 152; on v5e:2x2 another rule; on v5e:4x4, 8x8 and 16x16 (the square
+  slices) none at all over a 1-D axis of every chip (even a bare ``psum_scatter`` becomes an
+  all-reduce there), while v5e:2x8 keeps them.
 
 A table of these rules would break with the next libtpu, so ``Tiles`` asks the compiler: for
 a bucket of ``elements`` it compiles a probe (an all-gather of [r, 128] over the axis and its
