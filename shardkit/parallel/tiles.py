@@ -6,25 +6,30 @@ all-reduces, twice the bytes, unless the bucket travels in a shape it keeps (doc
 ``docs/measure/tpu_compiler_reduce_scatter.py``):
 
 * an all-gather survives on whole [16, 128] tiles (a flat bucket only at multiples of 1,024);
-* a reduce-scatter survives only for some row counts r = 16·k, and which depends on the slice.
-  Measured with libtpu as of JAX 0.10.2, float32 and bf16 alike: on v5e:2x4 exactly the k
-  divisible by ⌈k / 152⌉ (every k up to 152, the even ones to 304, multiples of 3 to 456, ...:
-  the compiler seems to cut the operand into ⌈k / 152⌉ equal pieces or give up); on v5e:4x8
-  the same with 50 for 152; on v5e:2x2 another rule; on v5e:4x4, 8x8 and 16x16 (the square
-  slices) none at all over a 1-D axis of every chip (even a bare ``psum_scatter`` becomes an
+* a reduce-scatter survives only for some row counts r = 16·k, and which depends on the slice
+  and the layout. Measured with libtpu as of JAX 0.10.2, float32 and bf16 alike, on v5e:2x4:
+  for a tiled [n·r, 128] operand exactly the k divisible by ⌈k / 152⌉ (every k up to 152,
+  the even ones to 304, multiples of 3 to 456, ...: the compiler seems to cut the operand into
+  ⌈k / 152⌉ equal pieces or give up); for the [n, r, 128] buckets travel as, the k divisible
+  by the power of two ≥ ⌈k / 152⌉ (multiples of 4 from 305, of 8 from 609, ...). On v5e:4x8
+  the cap is 50, not 152; v5e:2x2 follows another rule; the square slices (v5e:4x4, 8x8,
+  16x16) keep none over a 1-D axis of every chip (even a bare ``psum_scatter`` becomes an
   all-reduce there), while v5e:2x8 keeps them.
 
 A table of these rules would break with the next libtpu, so ``Tiles`` asks the compiler: for
 a bucket of ``elements`` it compiles a probe (an all-gather of [r, 128] over the axis and its
-gradient, the program's own pair) for row counts from the fewest upward, within 1/16 of
-padding and ``PROBES`` tries, and keeps the first whose program has a reduce-scatter and no
-all-reduce. Each answer is cached per mesh, axis, dtype and size (a probe compiles in about
-0.1 s; a ViT-B/16 FSDP bucket on v5e:2x4 finds 436 tiles, 0.9% padding, in 0.6 s). Where
-none keeps it, or the slice keeps no small one either (v5e:4x4), the bucket takes the fewest
-rows, costs an all-reduce on that slice, and ``Tiles`` warns once. Off a TPU nothing is
-probed: the fewest rows. Every bucket is tiled, the smallest padded to one tile (2,048
-elements, 8 KiB of float32): below ~1,024 elements that is more than the all-reduce a flat
-bucket would become, but the program then sends the collectives its plan names, on any size.
+gradient, the program's own pair) for candidate row counts in increasing order, the next few
+after the fewest and then the fewest multiple of each power of two (where the rule above puts
+them), within 1/16 of padding (8 tiles for small buckets), and keeps the first whose program
+has a reduce-scatter and no all-reduce (ViT-L/16's ZeRO-1 bucket on v5e:2x4, 18,564 tiles at
+the fewest, takes 18,688, a multiple of 128). Each answer is cached per mesh, axis, dtype and
+size (a probe compiles in about 0.1 s; a ViT-B/16 FSDP bucket on v5e:2x4 finds 436 tiles,
+0.9% padding, in 0.6 s). Where none keeps it, or the slice keeps no small one
+either (the square slices), the bucket takes the fewest rows, costs an all-reduce on that
+slice, and ``Tiles`` warns once. Off a TPU nothing is probed: the fewest rows. Every bucket is
+tiled, the smallest padded to one tile (2,048 elements, 8 KiB of float32): below ~1,024
+elements that is more than the all-reduce a flat bucket would become, but the program then
+sends the collectives its plan names, on any size.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 LANES, ROWS = 128, 16  # a tile: 16 rows of 128 lanes
 TILE_ELEMENTS = LANES * ROWS
-PROBES = 64  # row counts tried per bucket size before settling for the fewest
+NEXT = 8  # consecutive tile counts tried after the fewest, before the power-of-two multiples
 _KINDS = re.compile(r"\b(all-reduce|reduce-scatter)(?:-start)?\(")
 
 
@@ -88,7 +93,7 @@ def _kept_tiles(mesh: Mesh, axis: str, dtype: str, fewest: int) -> int:
     """The fewest tiles ≥ ``fewest`` whose reduce-scatter over ``axis`` the compiler keeps
     (none tried if it keeps no small one either, as on v5e:4x4)."""
     if any(_keeps_reduce_scatter(mesh, axis, dtype, k * ROWS) for k in (2, 4, 8)):
-        for tiles in range(fewest, fewest + min(PROBES, fewest // 16 + 1)):
+        for tiles in _candidates(fewest):
             if _keeps_reduce_scatter(mesh, axis, dtype, tiles * ROWS):
                 return tiles
     warnings.warn(
@@ -98,6 +103,14 @@ def _kept_tiles(mesh: Mesh, axis: str, dtype: str, fewest: int) -> int:
         stacklevel=4,
     )
     return fewest
+
+
+def _candidates(fewest: int) -> list[int]:
+    """Tile counts to try, in increasing order, within 1/16 of padding (or ``NEXT`` tiles, for
+    small buckets): the next ``NEXT``, then the fewest multiple of each power of two."""
+    powers = (-(-fewest // 2**j) * 2**j for j in range(1, fewest.bit_length() + 1))
+    both = {*range(fewest, fewest + NEXT), *powers}
+    return sorted(k for k in both if k <= fewest + max(fewest // 16, NEXT))
 
 
 @functools.cache
