@@ -46,7 +46,8 @@ def finish(proc: subprocess.Popen, limit: float = LIMIT_S) -> tuple[int, str, st
 def undying(pids: list[int]) -> list[str]:
     """Each of ``pids`` that no SIGKILL is pending for, as "pid state cmdline": a process the
     launcher left alive. (A killed process in uninterruptible sleep stays in /proc with the
-    signal pending until the kernel lets it die; on a loaded host that took over 10 s.)"""
+    signal pending until the kernel lets it die; on a loaded CI host one process stayed over
+    10 s, most likely so: its state was not recorded then.)"""
     left = []
     for pid in pids:
         try:
