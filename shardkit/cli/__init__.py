@@ -103,8 +103,8 @@ def add_plan_opts(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--grad-sync",
         choices=GRAD_SYNC,
-        help="the dtype gradient all-reduces "
-        "travel in (float32, the default; bfloat16: half the bytes on a TPU)",
+        help="the dtype gradient all-reduces travel in (float32, the default; bfloat16: half "
+        "the bytes on a TPU)",
     )
 
 

@@ -75,11 +75,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
-from shardkit.mesh import GRAD_SYNC, PlanError, logical_specs, platform, without_axes
+from shardkit.mesh import GRAD_SYNC, PlanError, logical_specs, without_axes
 from shardkit.models import staged
 from shardkit.parallel import data as dp
 from shardkit.parallel import remat as remat_policies
-from shardkit.parallel.tiles import Tiles
+from shardkit.parallel.tiles import tiles_for
 
 PyTree = Any
 Axes = tuple[str, ...]
@@ -272,7 +272,7 @@ class ShardedModel:
         self.sync_axes = grad_sync_axes(self.state_specs, mesh, batch_axes, token_axes, token_free)
         self.gather = gather
         # On a TPU: FSDP's and ZeRO's buckets as the tiles its compiler keeps (parallel.tiles).
-        self.fsdp_tiles = Tiles(mesh) if platform(mesh) == "tpu" else None
+        self.fsdp_tiles = tiles_for(mesh)
         self.pipeline = pipeline
         if pipeline is not None:
             staged.check(self, pipeline)
@@ -440,23 +440,23 @@ class ShardedModel:
         return self.sync_grads_local(grads, share)
 
     def sync_grads_local(self, grads: PyTree, share: Array | None = None) -> tuple[PyTree, Any]:
-        """Sums the partial gradients over their ``sync_axes`` (``data.sync_grads``); a model
-        whose gradients are disjoint slices somewhere overrides it to gather those instead.
-        Returns (gradients, the loss from ``share`` as ``riding`` sums it, or None)."""
-        tree, axes = self.riding(dp.narrowed(grads, self.grad_sync), self.sync_axes, share)
-        synced = dp.sync_grads(tree, axes)  # the gradients in grad_sync's dtype, the loss not
-        return dp.cast_like(synced["grads"], grads), synced.get("loss")
+        """(gradients, loss) as ``riding`` sums them over the ``sync_axes``; a model whose
+        gradients are disjoint slices somewhere overrides it to gather those instead."""
+        return self.riding(grads, self.sync_axes, share)
 
-    def riding(self, grads: PyTree, axes: PyTree, share: Array | None) -> tuple[dict, dict]:
-        """``data.sync_grads``' (tree, axes) for ``grads`` synced over ``axes`` with the loss
-        ``share`` as one more leaf, summed over the axes the shares differ on: it joins the
-        gradient bucket of those axes, one all-reduce on every compiler. (A loss all-reduce of
-        its own is merged into that bucket by XLA:CPU, but the TPU compiler keeps it apart
-        once the bucket passes its combine threshold: ViT-B/16's data parallelism sent 2.)"""
-        if share is None:
-            return {"grads": grads}, {"grads": axes}
-        over = tuple(a for a in self.mesh.axis_names if a in dp.varying_axes(share))
-        return {"grads": grads, "loss": share}, {"grads": axes, "loss": over}
+    def riding(self, grads: PyTree, axes: PyTree, share: Array | None) -> tuple[PyTree, Any]:
+        """(``grads`` summed over ``axes`` in ``grad_sync``'s dtype, returned in their own; the
+        loss ``share`` summed over the axes it differs on, or None). The float32 share rides in
+        the gradient bucket of those axes: one all-reduce on every compiler (the TPU compiler
+        kept a loss all-reduce of its own apart: ViT-B/16's DP sent 2)."""
+        tree, tree_axes = {"grads": dp.narrowed(grads, self.grad_sync)}, {"grads": axes}
+        if share is not None:
+            tree["loss"] = share
+            tree_axes["loss"] = tuple(
+                a for a in self.mesh.axis_names if a in dp.varying_axes(share)
+            )
+        synced = dp.sync_grads(tree, tree_axes)
+        return dp.cast_like(synced["grads"], grads), synced.get("loss")
 
     def total_loss(self, share: Array) -> Array:
         """The loss value (for logging): the sum of the shares over the axes they differ on."""

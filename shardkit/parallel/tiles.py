@@ -46,6 +46,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardkit.mesh import platform
+
 LANES, ROWS = 128, 16  # a tile: 16 rows of 128 lanes
 TILE_ELEMENTS = LANES * ROWS
 NEXT = 8  # consecutive tile counts tried after the fewest, before the power-of-two multiples
@@ -69,9 +71,15 @@ class Tiles:
         paper, off a TPU, over one device)."""
         fewest = -(-elements // TILE_ELEMENTS)
         mesh = self.mesh
-        if mesh is None or mesh.devices.flat[0].platform != "tpu" or mesh.shape[axis] == 1:
+        if mesh is None or platform(mesh) != "tpu" or mesh.shape[axis] == 1:
             return fewest * TILE_ELEMENTS
         return _kept_tiles(self.mesh, axis, jnp.dtype(dtype).name, fewest) * TILE_ELEMENTS
+
+
+def tiles_for(mesh: Mesh) -> Tiles | None:
+    """How FSDP's and ZeRO's buckets travel on ``mesh``: as ``Tiles`` on a TPU mesh (a slice
+    under ``--target`` too), flat (None) elsewhere."""
+    return Tiles(mesh) if platform(mesh) == "tpu" else None
 
 
 def bucket_elements(elements: int, tiles: Tiles | None = None) -> int:

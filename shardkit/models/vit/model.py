@@ -60,7 +60,7 @@ from jaxtyping import Array
 
 import vit_ref
 from shardkit import kernels
-from shardkit.mesh import Plan, format_mesh, make_mesh, platform
+from shardkit.mesh import Plan, format_mesh, make_mesh
 from shardkit.models import sharded, staged
 from shardkit.models.vit.plan import (
     EMBED_LEAVES,
@@ -84,7 +84,7 @@ from shardkit.parallel import sequence as sp
 from shardkit.parallel import vma
 from shardkit.parallel.collectives import all_gather
 from shardkit.parallel.tensor import attention_tp, mlp_tp
-from shardkit.parallel.tiles import Tiles
+from shardkit.parallel.tiles import Tiles, tiles_for
 from vit_ref import model as ref
 
 Params = dict[str, Any]
@@ -121,7 +121,7 @@ class Layout:
     @property
     def fsdp_tiles(self) -> Tiles | None:
         """FSDP's and ZeRO's buckets as the tiles the TPU compiler keeps, on a TPU mesh."""
-        return Tiles(self.mesh) if platform(self.mesh) == "tpu" else None
+        return tiles_for(self.mesh)
 
     @property
     def token_shards(self) -> int:
@@ -474,13 +474,10 @@ class ShardedViT(sharded.ShardedModel):
         axes = {k: self.sync_axes[k] for k in rest}
         own = tuple(a for a in self.sync_axes["pos_embedding"] if a not in token_axes)
         rest = {**rest, "rows": _own_rows(grads, self.cfg, self.layout)}
-        tree, tree_axes = self.riding(dp.narrowed(rest, self.grad_sync), {**axes, "rows": own},
-                                      share)  # fmt: skip
-        synced = dp.sync_grads(tree, tree_axes)
-        inner = dp.cast_like(synced["grads"], rest)
+        inner, loss = self.riding(rest, {**axes, "rows": own}, share)
         # The token rows never overlap: gathering them sums them, and makes them invariant.
         whole = all_gather(inner.pop("rows"), token_axes, tiled=True, to="invarying")
-        return {**inner, **_from_rows(whole, self.cfg, self.layout)}, synced.get("loss")
+        return {**inner, **_from_rows(whole, self.cfg, self.layout)}, loss
 
     # ------------------------------------------------------------------------- pipeline
 
