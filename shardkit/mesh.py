@@ -231,10 +231,13 @@ class Plan:
         gradients; each device's partial gradient rounded to bf16 first).
       overlap: run Megatron-SP's all-gathers and reduce-scatters as collective matmuls
         (``parallel.overlap``: ppermute rings a TPU schedules under the matmuls; the same
-        bytes in n − 1 steps), and FSDP's gather of each layer one layer ahead
-        (``parallel.data.fsdp_prefetch``: the next layer's all-gather issued beside this
-        layer's compute; the same bytes, one more layer's weights held). Needs sp="megatron"
-        or FSDP; not yet with remat or a pipeline.
+        bytes in n − 1 steps); FSDP's gather of each layer one layer ahead and its gradient's
+        reduce-scatter one layer behind, as a ring (``parallel.data.prefetch_layers``; the
+        same bytes, one more layer's weights held); and without FSDP or ZeRO, each layer's
+        gradient all-reduce (over data and the token axes) in the next layer's backward
+        step, as a ring reduce-scatter and an all-gather (``parallel.data.
+        sync_in_backward``; the same bytes). Needs sp="megatron", FSDP, or a data or seq
+        axis to sync over; not yet with remat or a pipeline.
     """
 
     mesh: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(AXES, 1))
@@ -325,10 +328,11 @@ class Plan:
              "use --sp megatron, ring, ulysses or usp"),
             (sp == "megatron" and model == 1,
              "sp='megatron' splits tokens over the model axis, but the mesh has model=1"),
-            (self.overlap and sp != "megatron" and not self.fsdp,
-             "--overlap runs Megatron-SP's all-gathers and reduce-scatters as collective "
-             "matmuls and gathers FSDP's layers one ahead; it needs --sp megatron or --fsdp "
-             "(plain TP and DP overlap are not built yet)"),
+            (self.overlap and sp != "megatron" and not self.fsdp
+             and (self.zero in (1, 2) or data == seq == 1),
+             "--overlap hides Megatron-SP's collective matmuls, FSDP's gathers and "
+             "scatters, and DP's gradient all-reduces (ZeRO-1/2's reduce-scatters and plain "
+             "TP's all-reduces are not built yet); this plan has none of the three"),
             (self.overlap and (self.recompute or not none),
              "--overlap is not built yet with --remat or --pp (a recomputed or scheduled "
              "collective matmul re-runs its ring, which the cost model does not state)"),

@@ -45,9 +45,14 @@ def assert_one_sentence(err: Exception) -> None:
         (lambda: Plan(kernel="cuda"), "Unknown kernel 'cuda'; choose one of auto, jnp, pallas"),
         (lambda: Plan(grad_sync="fp8"), "Unknown --grad-sync 'fp8'; choose one of float32, bf"),
         (
-            lambda: Plan({"data": 2, "model": 2}, overlap=True),
-            "--overlap runs Megatron-SP's all-gathers and reduce-scatters as collective matmuls "
-            "and gathers FSDP's layers one ahead; it needs --sp megatron or --fsdp",
+            lambda: Plan({"model": 2}, overlap=True),
+            "--overlap hides Megatron-SP's collective matmuls, FSDP's gathers and scatters, and "
+            r"DP's gradient all-reduces \(ZeRO-1/2's reduce-scatters and plain TP's all-reduces "
+            r"are not built yet\); this plan has none of the three\.",
+        ),
+        (
+            lambda: Plan({"data": 2}, zero=1, overlap=True),
+            "--overlap hides Megatron-SP's collective matmuls",
         ),
         (
             lambda: Plan({"model": 2}, sp="megatron", overlap=True, remat="dots"),

@@ -14,17 +14,24 @@ DP, gradients all-reduced
   layer    each layer's gradients psum'd inside its backward (a custom_vjp), so the sync of
            layer l could run under layer l − 1's backward
   ring     the same per-layer sync as a ppermute ring (reduce-scatter then all-gather steps)
+  behind   shardkit's ``--overlap``: layers scanned through ``data.prefetch_layers`` with
+           ``data.sync_in_backward``, so layer l + 1's gradients are reduced in layer l's
+           backward step, as recursive halving's exchanges and an all-gather
 FSDP, layers stored split over data, scanned
   plain    each layer's weights all-gathered at the top of its step
-  prefetch layer l + 1's all-gathered in layer l's step (``data.fsdp_prefetch``'s order)
+  prefetch layer l + 1's all-gathered in layer l's step (``data.prefetch_layers``'s order)
   prefetch, bucketed   the same with the layer's two weights as one buffer, as shardkit's
            ``fsdp_gather`` sends them
+  prefetch, permuted back   shardkit's ``--overlap``: the same, the bucket's reduce-scatter
+           built from permutes (``fsdp_gather(..., permuted_back=True)``)
 """
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardkit
 from shardkit.comm import ledger
+from shardkit.parallel import data as dp
 from shardkit.run import target
 
 L, D, F, T, N = 4, 1024, 4096, 4096, 8
@@ -103,6 +111,24 @@ def dp_step(kind):
     return step
 
 
+def dp_behind_step(ws, x):
+    """shardkit's DP ``--overlap``: each layer's gradients synced one layer behind."""
+    sync = functools.partial(dp.sync_in_backward, axes_tree=(("data",), ("data",)))
+    loss = lambda ws: jnp.sum(  # noqa: E731
+        dp.prefetch_layers(lambda x, w: block(x, *w), sync, x, ws).astype(jnp.float32) ** 2
+    )
+    return jax.tree.map(lambda w, gi: w - 1e-3 * gi, ws, jax.grad(loss)(ws))
+
+
+def fsdp_permuted_step(ws, x):
+    """shardkit's FSDP ``--overlap``: gathered one layer ahead, scattered one behind."""
+    gather = functools.partial(dp.fsdp_gather, dims_tree=(0, 0), permuted_back=True)
+    loss = lambda ws: jnp.sum(  # noqa: E731
+        dp.prefetch_layers(lambda x, w: block(x, *w), gather, x, ws).astype(jnp.float32) ** 2
+    )
+    return jax.tree.map(lambda w, gi: w - 1e-3 * gi, ws, jax.grad(loss)(ws))
+
+
 def gather(w1, w2, bucketed):
     if not bucketed:
         return tuple(jax.lax.all_gather(w, "data", axis=0, tiled=True) for w in (w1, w2))
@@ -150,9 +176,13 @@ def main() -> None:
     )
     dp_params = [sds(s, P()) for _ in range(L) for s in ((D, F), (F, D))]
     fsdp_params = (sds((L, D, F), P(None, "data")), sds((L, F, D), P(None, "data")))
+    stacked = (sds((L, D, F), P()), sds((L, F, D), P()))
     programs = [(f"DP {k}", dp_step(k), dp_params, P()) for k in ("end", "layer", "ring")]
+    programs += [("DP behind (shardkit's --overlap)", dp_behind_step, stacked, P())]
     programs += [(f"FSDP {k}", fsdp_step(k), fsdp_params, P(None, "data"))
                  for k in ("plain", "prefetch", "prefetch, bucketed")]  # fmt: skip
+    programs += [("FSDP prefetch, permuted back (shardkit's --overlap)", fsdp_permuted_step,
+                  fsdp_params, P(None, "data"))]  # fmt: skip
     print("| program | collectives | MB per device | hidden, default flags | hidden, "
           "overlap flags |\n|---|---|---|---|---|")  # fmt: skip
     for name, fn, params, spec in programs:

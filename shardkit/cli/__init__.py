@@ -98,8 +98,10 @@ def add_plan_opts(p: argparse.ArgumentParser) -> None:
     g.add_argument("--microbatches", type=int, metavar="M", help="per data shard (--pp; 1)")
     g.add_argument("--virtual", type=int, metavar="V",
                    help="chunks per stage (interleaved; 1; zbv: 2)")  # fmt: skip
-    g.add_argument("--overlap", action="store_true", help="--sp megatron as collective "
-                   "matmuls; --fsdp gathers each layer one layer ahead")  # fmt: skip
+    g.add_argument("--overlap", action="store_true", help="hide communication under the "
+                   "matmuls: --sp megatron as collective matmuls; --fsdp gathers each layer one "
+                   "layer ahead and reduce-scatters it one behind; DP syncs each layer's "
+                   "gradients under the next layer's backward")  # fmt: skip
     g.add_argument(
         "--grad-sync",
         choices=GRAD_SYNC,
@@ -206,16 +208,35 @@ def model_config(
 
 def with_matrix_options(cases: list[Any], args: argparse.Namespace) -> list[Any]:
     """The matrix's cases with ``--layers``, ``--kernel`` and ``--grad-sync`` (those given) in
-    every plan."""
+    every plan, and ``--overlap`` in every plan that allows it: those rows are named
+    "+overlap", the others say why not."""
     import dataclasses
+
+    from shardkit.mesh import PlanError
 
     options = ("layers", "kernel", "grad_sync")
     given = {k: getattr(args, k) for k in options if getattr(args, k)}
-    return [dataclasses.replace(c, plan=dataclasses.replace(c.plan, **given)) for c in cases]
+    out = []
+    for case in cases:
+        plan, name = dataclasses.replace(case.plan, **given), case.name
+        if getattr(args, "overlap", False):
+            try:
+                plan, name = dataclasses.replace(plan, overlap=True), f"{name} +overlap"
+            except PlanError:
+                name = f"{name} ({_no_overlap(plan)})"
+        out.append(dataclasses.replace(case, name=name, plan=plan))
+    return out
+
+
+def _no_overlap(plan: Any) -> str:
+    """Why ``plan`` takes no ``--overlap`` (``Plan``'s rules, in a few words)."""
+    if plan.pp != "none" or plan.recompute:
+        return "no --overlap with --pp or --remat yet"
+    return "no --overlap: nothing it hides"
 
 
 def plan_given(args: argparse.Namespace) -> bool:
-    flags = ("mesh", "sp", "ulysses", "fsdp", "zero", "remat", "pp", "overlap")
+    flags = ("mesh", "sp", "ulysses", "fsdp", "zero", "remat", "pp")
     return any(getattr(args, f) for f in flags) or {args.microbatches, args.virtual} != {None}
 
 

@@ -69,9 +69,9 @@ def _bench_cases(args: argparse.Namespace) -> list[Any]:
         if args.strategies:
             raise UsageError("give either --strategies or plan options (--mesh ...), not both.")
         return [Case("custom", plan_from_args(args))]
-    cases = with_matrix_options(bench.strategies(args.devices), args)
+    cases = bench.strategies(args.devices)
     chosen = _chosen(args.strategies, {case.name: case for case in cases})
-    return list(chosen.values())
+    return with_matrix_options(list(chosen.values()), args)
 
 
 def _chosen(strategies: str | None, named: dict[str, Any]) -> dict[str, Any]:

@@ -23,12 +23,7 @@ How often: ``count``, executions per call of the program
   collectives get ``count_exact=False``. Every branch of a ``conditional`` is counted as if it
   ran. Computations that ``ENTRY`` never reaches run 0 times and contribute no records.
 
-Bytes sent per device per execution: ``bytes_sent`` (ring algorithms, DESIGN.md)
-  all-reduce of V bytes            2(n-1)/n * V
-  all-gather producing V bytes     (n-1)/n * V
-  reduce-scatter of an input of V  (n-1)/n * V     (V = result bytes * n)
-  all-to-all of V local bytes      (n-1)/n * V
-  collective-permute of V bytes    V
+Bytes sent per device per execution: ``bytes_sent``, ``comm.bytes``' ring model (DESIGN.md)
   n is ``group_size``, the number of devices in one replica group. Collective-permute rule: a
   device sends its V bytes once per pair it is the source of; ``bytes_sent`` is what the busiest
   device sends (V for any permutation), because the step waits for that device. So a permute in
@@ -46,13 +41,11 @@ Devices and axes
   sub-axes ``'a':(1)2``).
 
 Memory and flops (per device)
-  ``Ledger.memory`` is ``compiled.memory_analysis()``. ``Ledger.xla_flops`` is
-  ``compiled.cost_analysis()["flops"]`` recorded as-is and NOT corrected: XLA counts a
-  ``while`` / ``lax.scan`` body once, whatever its trip count, so for scanned layers it is a
-  lower bound (about one layer's flops, not L layers'). ``Ledger.flops`` is counted here
-  instead: every ``dot`` and ``convolution`` (``Ledger.matmuls``) times its executions, by the
-  same call counts as the collectives (so every branch of a conditional counts as if it ran;
-  a pipeline's per-stage count weighs each branch by its ticks).
+  ``Ledger.memory``: ``compiled.memory_analysis()``. ``Ledger.xla_flops``: ``cost_analysis()``'s
+  flops as-is, a lower bound for scanned layers (XLA counts a loop body once). ``Ledger.flops``
+  counts every ``dot`` and ``convolution`` (``Ledger.matmuls``) times its executions, by the
+  collectives' call counts (every branch of a conditional as if it ran; a pipeline's
+  per-stage count weighs each branch by its ticks).
 """
 
 from __future__ import annotations
@@ -79,6 +72,7 @@ __all__ = [
     "Ledger",
     "Memory",
     "Tally",
+    "exchange",
     "format_table",
     "ledger_of",
     "measure",
@@ -114,8 +108,8 @@ class Collective:
       source_target_pairs: the (source, target) pairs of a collective-permute.
       pattern: how its devices are linked (``pattern_of``): ``GROUPS`` when the replica groups
         are exactly the partition of the mesh along ``axes``; ``shift(k, n)`` ("shift +1",
-        "shift -1") when every pair sends from linear index i to i + k mod n over ``axes``;
-        else the explicit groups or pairs. "" without a mesh.
+        "shift -1") when every pair sends from linear index i to i + k mod n over ``axes``,
+        ``exchange(d, n)`` ("xor 1") for i with i XOR d; else explicit groups/pairs; "" meshless.
       count_exact: False when an enclosing loop has no known trip count (``count`` then counts
         that loop once).
       overlapped: an async collective with a matmul scheduled between its start and done
@@ -536,6 +530,11 @@ def shift(step: int, n: int | None = None) -> str:
     return f"shift {k if n is None or 2 * k <= n else k - n:+d}"
 
 
+def exchange(distance: int, n: int) -> str:
+    """Device i with i XOR ``distance`` (recursive halving): "xor 1", ...; at n/2 a shift."""
+    return shift(distance, n) if 2 * distance == n else f"xor {distance}"
+
+
 def spanning(by_key: dict[Any, Any]) -> dict[Any, Any]:
     """A ``summary()`` or ``patterns()`` without its one-device groups (an axis of size 1 that
     a spec names: nothing is sent); what contracts and reports compare."""
@@ -575,6 +574,9 @@ def pattern_of(
         steps = {(linear(t) - linear(s)) % n for s, t in pairs}
         if len(steps) == 1:
             return shift(steps.pop(), n)
+        flips = {linear(t) ^ linear(s) for s, t in pairs}
+        if len(flips) == 1:
+            return exchange(flips.pop(), n)
         return "pairs " + " ".join(f"{s}>{t}" for s, t in sorted(pairs))
     partition = np.arange(mesh.size).reshape(mesh.axis_sizes)
     rest = [i for i in range(len(sizes)) if i not in where]

@@ -8,12 +8,13 @@ comes from, for a param ``w`` used on a batch split ``x[B_data, ...]``:
   loss (no communication), so autodiff leaves ``dw{U_data}`` alone, and ``sync_grads``
   all-reduces it, all leaves in one bucket. (Without the cast, check_vma's implicit broadcast
   would transpose into one psum per leaf, wherever the leaf is used: the same bytes, more ops,
-  and invisible in the code.)
+  and invisible in the code.) Overlapped (``sync_in_backward`` through ``prefetch_layers``):
+  each layer's gradients all-reduced in the next layer's backward step instead.
 * FSDP / ZeRO-3: ``w[D_data, ...]`` is stored split; ``fsdp_gather`` all-gathers it just before
   use (``w[D_data] -> w[D]``); autodiff transposes that all-gather into a reduce-scatter of the
   gradient (``dw{U_data} -> dw[D_data]``), so gradients arrive already split: AG + RS instead of
   an all-reduce. Under ``jax.checkpoint`` the gathered weights are not kept for backward but
-  gathered again (AG + AG + RS). ``fsdp_prefetch`` runs a stack of layers with each layer's
+  gathered again (AG + AG + RS). ``prefetch_layers`` runs a stack of layers with each layer's
   gather issued one layer ahead, beside the previous layer's compute.
 * ZeRO-1: ``w`` replicated, optimizer state split; ``zero_scatter`` reduce-scatters the
   gradients once backward is done, ``zero_update`` updates this device's slice and all-gathers
@@ -27,6 +28,7 @@ its params (param-shaped leaves split as their param, step counts replicated).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -39,8 +41,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
-from shardkit.parallel.collectives import all_gather, reduce_scatter
-from shardkit.parallel.tiles import Tiles, wire
+from shardkit.parallel.collectives import all_gather, axis_size, reduce_scatter
+from shardkit.parallel.overlap import gather_permuted_back, scatter_by_permutes
+from shardkit.parallel.tiles import LANES, Tiles, wire
 from shardkit.parallel.vma import shard_map_primitive, varying_axes
 from shardkit.parallel.vma import vary as vary_leaf
 
@@ -131,42 +134,102 @@ def _bucket_psum(arrays: Sequence[Array], axes: Axes) -> list[Array]:
     return [flat[o : o + a.size].reshape(a.shape) for o, a in zip(offsets, arrays, strict=True)]
 
 
-def fsdp_prefetch(
+def prefetch_layers(
     block: Callable[[Array, PyTree], Array],
-    gather: Callable[[PyTree], PyTree],
+    fetch: Callable[[PyTree], PyTree],
     x: Array,
     stacked: PyTree,
     layers: str = "scan",
 ) -> Array:
-    """``x = block(x, gather(layer_i))`` over the leading axis of ``stacked``, each layer's
-    gather issued one layer ahead: while layer i runs, layer i + 1's all-gather is already
-    under way (it depends on nothing layer i computes), so a scheduler with asynchronous
-    collectives runs it beside layer i's matmuls. Layer 0's is gathered before the loop; a
-    ``lax.scan`` (``layers="scan"``) carries the gathered layer, or a Python loop unrolls it.
+    """``x = block(x, fetch(layer_i))`` over the leading axis of ``stacked``, each layer's
+    ``fetch`` issued one layer ahead: while layer i runs, layer i + 1's is already under way
+    (it depends on nothing layer i computes), so a scheduler with asynchronous collectives runs
+    it beside layer i's matmuls. Layer 0's is fetched before the loop; a ``lax.scan``
+    (``layers="scan"``) carries the fetched layer, or a Python loop unrolls it.
 
-    Bytes: one all-gather per layer, as gathering in each layer's own step. Backward (autodiff
-    of the same loop): the transpose of layer i + 1's gather, a reduce-scatter of its
-    gradient, sits in layer i's backward step, beside layer i's backward matmuls. Memory: one
-    more gathered layer held than the plain loop. Under ``jax.checkpoint`` the gathered layer
-    would be a saved input, not re-gathered: use it without remat.
+    Backward (autodiff of the same loop): the transpose of layer i + 1's fetch sits in layer
+    i's backward step, beside layer i's backward matmuls, and it depends on nothing they
+    compute. Two fetches use it:
+      FSDP's gather (``fsdp_gather``): the all-gather one layer ahead; its transpose, the
+        gradient's reduce-scatter (with ``permuted_back``, of permutes), one layer behind.
+      DP's gradient sync (``sync_in_backward``): a cast forward; the layer's gradient
+        all-reduce one layer behind, under the next layer's backward.
+    Bytes: one fetch per layer, as fetching in each layer's own step. Memory: one more fetched
+    layer held than the plain loop. Under ``jax.checkpoint`` the fetched layer would be a saved
+    input, not fetched again: use it without remat.
     """
     count = jax.tree.leaves(stacked)[0].shape[0]
     layer = lambda i: jax.tree.map(lambda a: a[i], stacked)  # noqa: E731
-    gathered = gather(layer(0))
+    fetched = fetch(layer(0))
     if layers == "scan":
 
-        def body(carry: tuple[Array, PyTree], next_shard: PyTree) -> tuple[Any, None]:
+        def body(carry: tuple[Array, PyTree], next_layer: PyTree) -> tuple[Any, None]:
             x, here = carry
-            return (block(x, here), gather(next_shard)), None
+            return (block(x, here), fetch(next_layer)), None
 
         rest = jax.tree.map(lambda a: a[1:], stacked)
-        (x, gathered), _ = jax.lax.scan(body, (x, gathered), rest)
-        return block(x, gathered)
+        (x, fetched), _ = jax.lax.scan(body, (x, fetched), rest)
+        return block(x, fetched)
     for i in range(count):
-        ahead = gather(layer(i + 1)) if i + 1 < count else None
-        x = block(x, gathered)
-        gathered = ahead
+        ahead = fetch(layer(i + 1)) if i + 1 < count else None
+        x = block(x, fetched)
+        fetched = ahead
     return x
+
+
+@shard_map_primitive
+def sync_in_backward(tree: PyTree, axes_tree: PyTree, *, dtype: str = "float32") -> PyTree:
+    """``tree`` cast varying over each leaf's axes (no communication), whose cotangents are
+    all-reduced there in backward: ``dw{U_axes} -> dw``, wherever the transpose stands.
+
+    DP's overlapped gradient sync: applied to each layer's params through ``prefetch_layers``,
+    it all-reduces layer i + 1's gradients in layer i's backward step instead of in one bucket
+    at the step's end. Each bucket (the leaves sharing their axes and varying axes, as in
+    ``sync_grads``) is laid out as [n, r, 128] and reduced as a reduce-scatter of permutes
+    (``overlap.scatter_by_permutes``: recursive halving, or a ring) then an all-gather: the TPU
+    compiler runs an all-reduce synchronously wherever it stands, but schedules permutes and
+    all-gathers beside matmuls that do not need them. Bytes: 2(n − 1)/n · the padded bucket,
+    an all-reduce's. ``dtype``: the wire dtype (``Plan.grad_sync``; the sums come back in the
+    cotangent's own). The result is invariant
+    over the axes, as after ``sync_grads``: pass the leaves uncast (not ``vary``'d there).
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    axes = jax.tree.leaves(axes_tree, is_leaf=lambda a: isinstance(a, tuple))
+    return jax.tree.unflatten(treedef, _synced_in_backward(leaves, tuple(axes), dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _synced_in_backward(leaves: list[Array], axes: tuple[Axes, ...], dtype: str) -> list[Array]:
+    return [vary_leaf(w, a) if a else w for w, a in zip(leaves, axes, strict=True)]
+
+
+def _synced_fwd(leaves: list[Array], axes: tuple[Axes, ...], dtype: str) -> tuple:
+    return _synced_in_backward(leaves, axes, dtype), None
+
+
+def _synced_bwd(axes: tuple[Axes, ...], dtype: str, _: None, cts: list[Array]) -> tuple:
+    out = list(cts)
+    groups: dict[tuple[Axes, frozenset[str]], list[int]] = defaultdict(list)
+    for i, (ct, a) in enumerate(zip(cts, axes, strict=True)):
+        if a:
+            groups[(a, varying_axes(ct))].append(i)
+    for (a, _varying), members in groups.items():
+        flat = jnp.concatenate([cts[i].reshape(-1).astype(dtype) for i in members])
+        n = axis_size(a)
+        rows = -(-flat.size // (n * LANES))
+        laid = jnp.pad(flat, (0, n * rows * LANES - flat.size)).reshape(n, rows, LANES)
+        # DP: this layer's gradient sum, a reduce-scatter of permutes then an all-gather.
+        mine = scatter_by_permutes(laid, a)
+        summed = all_gather(mine, a, to="invarying").reshape(-1)
+        offset = 0
+        for i in members:
+            piece = summed[offset : offset + cts[i].size]
+            out[i] = piece.reshape(cts[i].shape).astype(cts[i].dtype)
+            offset += cts[i].size
+    return (out,)
+
+
+_synced_in_backward.defvjp(_synced_fwd, _synced_bwd)
 
 
 @shard_map_primitive
@@ -177,6 +240,7 @@ def fsdp_gather(
     *,
     bucket: bool = True,
     tiles: Tiles | None = None,
+    permuted_back: bool = False,
 ) -> PyTree:
     """All-gathers each FSDP-split leaf along its split dim: ``w[D_data] -> w[D]``.
 
@@ -189,6 +253,9 @@ def fsdp_gather(
     (the transpose). Leaves with different varying axes never share a buffer: a concatenation
     would cast the invariant ones, and its transpose would all-reduce their cotangents.
     ``bucket=False`` gathers leaf by leaf (same bytes, unpadded; one op per leaf).
+    ``permuted_back``: each bucket's backward reduce-scatter is built from permutes
+    (``overlap.gather_permuted_back``), which the TPU compiler overlaps where a
+    reduce-scatter stays synchronous (``prefetch_layers``' backward).
     Cost: (n−1)/n · the gathered bytes forward (each bucket's padded), the same backward.
     """
     leaves, treedef = jax.tree.flatten(tree)
@@ -199,7 +266,8 @@ def fsdp_gather(
             if dim is not None:  # FSDP: materialise the whole weight just before it is used.
                 out[i] = all_gather(x, axis, axis_dim=dim, tiled=True)
         return jax.tree.unflatten(treedef, out)
-    return jax.tree.unflatten(treedef, _bucket_gather(leaves, dims, axis, "varying", tiles))
+    gathered = _bucket_gather(leaves, dims, axis, "varying", tiles, permuted_back)
+    return jax.tree.unflatten(treedef, gathered)
 
 
 def _dims(dims_tree: PyTree, leaves: list[Array]) -> list[int | None]:
@@ -220,7 +288,12 @@ def _buckets(leaves: Sequence[Array], dims: Sequence[int | None]) -> list[list[t
 
 
 def _bucket_gather(
-    leaves: list[Array], dims: list[int | None], axis: str, to: str, tiles: Tiles | None = None
+    leaves: list[Array],
+    dims: list[int | None],
+    axis: str,
+    to: str,
+    tiles: Tiles | None = None,
+    permuted_back: bool = False,
 ) -> list[Array]:
     """``w[D_X] -> w[D]`` for every split leaf, one all-gather per bucket (``tiles``: laid out
     as ``parallel.tiles.wire`` says)."""
@@ -228,7 +301,11 @@ def _bucket_gather(
     for members in _buckets(leaves, dims):
         flat = [jnp.moveaxis(leaves[i], dim, 0).reshape(-1) for i, dim in members]
         # FSDP / ZeRO: one buffer of every fragment in the bucket, gathered once.
-        gathered = all_gather(wire(jnp.concatenate(flat), tiles, axis), axis, to=to)  # [n, ...]
+        laid = wire(jnp.concatenate(flat), tiles, axis)
+        if permuted_back:  # FSDP's prefetch: the gradient's reduce-scatter as permutes
+            gathered = gather_permuted_back(laid, axis)
+        else:
+            gathered = all_gather(laid, axis, to=to)  # [n, ...]
         gathered = gathered.reshape(gathered.shape[0], -1)  # [n, Σ sizes (+ padding)]
         offset = 0
         for (i, dim), piece in zip(members, flat, strict=True):

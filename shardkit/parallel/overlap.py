@@ -33,8 +33,15 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from shardkit.parallel.collectives import axis_index, axis_size, ring_shift
-from shardkit.parallel.vma import shard_map_primitive, vary, varying_axes
+from shardkit.parallel.collectives import (
+    all_gather,
+    axis_index,
+    axis_size,
+    halving_reduce_scatter,
+    ring_reduce_scatter,
+    ring_shift,
+)
+from shardkit.parallel.vma import Axis, shard_map_primitive, vary, varying_axes
 
 Consume = Callable[[jax.Array, jax.Array], None]
 
@@ -150,4 +157,50 @@ def _matmul_rs_bwd(axis: str, types: Types, res: tuple, dy: jax.Array) -> tuple[
 _ag_matmul.defvjp(_ag_matmul_fwd, _ag_matmul_bwd)
 _matmul_rs.defvjp(_matmul_rs_fwd, _matmul_rs_bwd)
 
-__all__ = ["ag_matmul", "matmul_rs"]
+
+@shard_map_primitive
+def scatter_by_permutes(x: jax.Array, axis: Axis) -> jax.Array:
+    """``reduce_scatter`` built from ``ppermute`` alone, ``x[n, ...]{U_X} -> x[...]``
+    (untiled: device k keeps the sum of block k), for a scheduler to hide: recursive halving
+    (``halving_reduce_scatter``, log2(n) exchanges) when n is a power of two, else a ring
+    (``ring_reduce_scatter``, n − 1 permutes). Either sends (n − 1)/n · V, a reduce-scatter's
+    bytes. The TPU compiler runs a reduce-scatter or an all-reduce synchronously wherever it
+    stands, but schedules each permute beside a matmul that does not need it; a ring's n − 1
+    dependent steps outnumbered the matmuls the scheduler gave them (one step of ViT-B/16's
+    7 per layer stayed bare), recursive halving's 3 did not."""
+    n = axis_size(axis)
+    if n & (n - 1) == 0:
+        return halving_reduce_scatter(x, axis)
+    return ring_reduce_scatter(x, axis)
+
+
+@shard_map_primitive
+def gather_permuted_back(x: jax.Array, axis: str) -> jax.Array:
+    """``all_gather(x, axis)`` (stacked, ``x[...] -> [n, ...]``) whose backward reduce-scatters
+    the cotangent ``[n, ...]{U_X}`` with permutes (``scatter_by_permutes``) instead of one
+    reduce-scatter.
+
+    FSDP's prefetch (``data.prefetch_layers``) puts the transpose of layer i + 1's gather in
+    layer i's backward step, where it depends on nothing that step computes: as permutes it
+    travels under layer i's backward matmuls (docs/strategies/overlap.md).
+    Cost: (n − 1)/n · V forward and backward, exactly the plain gather's and reduce-scatter's.
+    """
+    return _gather_permuted_back(x, axis, _types(x)[0])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather_permuted_back(x: jax.Array, axis: str, types: tuple[str, ...]) -> jax.Array:
+    return all_gather(x, axis)
+
+
+def _gather_back_fwd(x: jax.Array, axis: str, types: tuple[str, ...]) -> tuple:
+    return all_gather(x, axis), None
+
+
+def _gather_back_bwd(axis: str, types: tuple[str, ...], _: None, ct: jax.Array) -> tuple:
+    return (_typed(scatter_by_permutes(ct, axis), types),)
+
+
+_gather_permuted_back.defvjp(_gather_back_fwd, _gather_back_bwd)
+
+__all__ = ["ag_matmul", "gather_permuted_back", "matmul_rs", "scatter_by_permutes"]

@@ -89,8 +89,18 @@ COMPOSITIONS = {
     "Megatron-SP unrolled": (CFG, Plan({"data": 2, "model": 4}, sp="megatron", layers="unrolled")),
     # its regions as collective matmuls: rings of permutes in place of the gathers and scatters
     "Megatron-SP overlap": (CFG, Plan({"data": 2, "model": 4}, sp="megatron", overlap=True)),
-    # FSDP's layers gathered one layer ahead: the same all-gathers, one before the loop
+    # FSDP's layers gathered one layer ahead: the same all-gathers, one before the loop; the
+    # gradients' reduce-scatters as rings of permutes, one layer behind
     "FSDP×TP overlap": (CFG, Plan({"data": 4, "model": 2}, fsdp=True, overlap=True)),
+    # DP's gradient all-reduce per layer, one layer behind: a ring reduce-scatter (permutes)
+    # and an all-gather per bucket and layer, the same bytes as the step-end all-reduce
+    "DP×TP overlap": (CFG, Plan({"data": 4, "model": 2}, overlap=True)),
+    # ... over data × seq, beside a ring of 2 (the last layer, after the loop, merges its hop)
+    "DP×ring×TP overlap": (CFG, Plan({"data": 2, "seq": 2, "model": 2}, sp="ring", overlap=True)),
+    "DP overlap bf16 unrolled": (
+        CFG,
+        Plan({"data": 8}, overlap=True, grad_sync="bfloat16", layers="unrolled"),
+    ),
     "Megatron-SP×ring overlap unrolled": (
         CFG,
         Plan({"data": 2, "seq": 2, "model": 2}, sp="megatron", overlap=True, layers="unrolled"),

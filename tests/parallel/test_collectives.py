@@ -31,6 +31,8 @@ from jax.sharding import PartitionSpec as P
 
 import shardkit
 from shardkit import collectives as coll
+from shardkit import testing
+from shardkit.comm import ledger
 from shardkit.mesh import AXES, make_mesh
 
 Fn = Callable[[jax.Array], jax.Array]
@@ -400,6 +402,35 @@ def test_rings_compile_to_collective_permutes_only() -> None:
         hlo = jax.jit(loss).lower(np.ones((mesh.size, *block), np.float32)).compile().as_text()
         assert collectives(hlo).keys() == {"collective-permute"}, (fn.__name__, hlo)
         assert len(collectives(hlo)["collective-permute"]) == 2 * steps, fn.__name__
+
+
+@pytest.mark.parametrize(
+    "shape, axis",
+    [({"model": 2}, "model"), ({"model": 8}, "model"), ({"data": 4, "model": 2}, "data"),
+     ({"data": 2, "model": 4}, ("model", "data"))],
+    ids=["2", "8", "4 of 4x2", "model+data"],
+)  # fmt: skip
+def test_halving_reduce_scatter_is_the_reduce_scatter_in_log_n_exchanges(shape, axis) -> None:
+    """Recursive halving: psum_scatter's values and gradient, in log2(n) exchanges forward
+    (device i with i XOR d) and as many backward, (n − 1)/n · V sent, as a ring's."""
+    mesh = mesh_of(tuple(shape.items()))
+    n = math.prod(mesh.shape[a] for a in names(axis))
+    ours = per_device(mesh, functools.partial(coll.halving_reduce_scatter, axis=axis))
+    ref = per_device(mesh, lambda b: jax.lax.psum_scatter(b, axis, scatter_dimension=0))
+    x = np.random.default_rng(0).normal(size=(mesh.size, n, 3, 2)).astype(np.float32)
+    loss = lambda f: jax.jit(jax.value_and_grad(lambda x: jnp.sum(jnp.sin(f(x)))))  # noqa: E731
+    testing.assert_trees_close(loss(ours)(x), loss(ref)(x), 1e-6)
+    led = ledger.measure(loss(ours), x, mesh=mesh)
+    hops = [c for c in led.collectives if c.kind == "collective-permute"]
+    assert sum(c.count for c in hops) == 2 * (n.bit_length() - 1)
+    assert sum(c.total_bytes_sent for c in hops) == 2 * (n - 1) * 3 * 2 * 4
+
+
+def test_halving_reduce_scatter_needs_a_power_of_two() -> None:
+    mesh = mesh_of((("model", 3),))
+    fn = per_device(mesh, functools.partial(coll.halving_reduce_scatter, axis="model"))
+    with pytest.raises(ValueError, match="needs a power-of-two axis and dim 0 equal to it, got 3"):
+        jax.eval_shape(fn, np.ones((3, 3, 2), np.float32))
 
 
 def test_invariant_ring_all_reduce_has_psums_free_backward() -> None:

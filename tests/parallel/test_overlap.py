@@ -12,6 +12,8 @@ docs/strategies/overlap.md.)"""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +25,7 @@ import shardkit
 from shardkit import testing
 from shardkit.comm import ledger
 from shardkit.parallel import collectives, overlap
+from shardkit.parallel import data as dp
 from shardkit.run import target
 
 K = 8
@@ -115,3 +118,118 @@ def test_hidden_under_matmuls_on_the_tpu_compiler():
     assert ours.total_bytes_sent() == minimum
     assert ours.overlapped_fraction >= 0.6
     assert plain.overlapped_fraction < 0.05
+
+
+# ------------------------------------------------- gradient sync one layer behind (prefetch)
+
+L, D = 3, 3 * K  # D splits over 2, 3 and 4
+
+
+def layer(x, w):
+    return x + jnp.tanh(x @ w)
+
+
+def layers_step(mesh, run, x_spec, w_spec):
+    """jit(value_and_grad) of Σ sin(x after L layers) through a shard_map of ``run(x, ws)``,
+    which returns (this device's loss share, the synced gradients of ws)."""
+    f = jax.shard_map(run, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=(P(), w_spec))
+    return jax.jit(f)
+
+
+def layers_inputs(batch, seed=1):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(batch, D)), jnp.float32)
+    return x, jnp.asarray(rng.normal(size=(L, D, D)) / np.sqrt(D), jnp.float32)
+
+
+def steps(n):
+    """Permutes of one reduce-scatter by ``overlap.scatter_by_permutes`` over n devices."""
+    return n.bit_length() - 1 if n & (n - 1) == 0 else n - 1
+
+
+def patterns(n):
+    """Their patterns: exchanges at distance n/2 (a shift), ..., 1 (xor), or a ring's shift."""
+    if n & (n - 1):
+        return {"shift +1"}
+    return {ledger.exchange(2**k, n) for k in range(steps(n))}
+
+
+def dp_runs(axes):
+    """(plain, ours): DP's step-end all-reduce, and each layer's all-reduced one layer behind
+    (``data.sync_in_backward`` through ``data.prefetch_layers``)."""
+
+    def plain(x, ws):
+        def loss(ws):
+            y, _ = jax.lax.scan(lambda x, w: (layer(x, w), None), x, ws)
+            return jnp.sum(jnp.sin(y))
+
+        share, g = jax.value_and_grad(loss)(dp.vary(ws, axes))
+        return jax.lax.psum(share, axes), dp.sync_grads(g, axes)
+
+    def ours(x, ws):
+        sync = functools.partial(dp.sync_in_backward, axes_tree=axes)
+        share, g = jax.value_and_grad(
+            lambda ws: jnp.sum(jnp.sin(dp.prefetch_layers(layer, sync, x, ws)))
+        )(ws)
+        return jax.lax.psum(dp.vary(share, axes), axes), g
+
+    return plain, ours
+
+
+@pytest.mark.parametrize(
+    "shape", [{"data": 2}, {"data": 3}, {"data": 4, "model": 2}, {"data": 2, "seq": 2}]
+)
+def test_dp_sync_one_layer_behind_equals_the_step_end_all_reduce(shape):
+    """``sync_in_backward`` (a reduce-scatter of permutes and an all-gather per layer, in the
+    next layer's backward step) gives the step-end all-reduce's gradients, over one axis or
+    two, with exactly the all-reduce's bytes: recursive halving's exchanges (i with i XOR d)
+    on 2 and 4 devices, a ring's n − 1 shifts on 3, and L all-gathers."""
+    mesh = shardkit.make_mesh(shape)
+    axes = tuple(a for a in ("data", "seq") if a in shape)
+    n = int(np.prod([shape[a] for a in axes]))
+    x, ws = layers_inputs(4 * n)
+    plain, ours = (layers_step(mesh, r, P(axes), P()) for r in dp_runs(axes))
+    with testing.parity_precision():
+        want, got = plain(x, ws), ours(x, ws)
+    testing.assert_trees_close(got, want, 1e-5)
+    led = ledger.measure(ours, x, ws, mesh=mesh)
+    # Over data × seq an exchange flips one axis' coordinate: the ledger books it there.
+    hops = [c for c in led.collectives if c.kind == "collective-permute"]
+    assert sum(c.count for c in hops) == steps(n) * L
+    if len(axes) == 1:
+        assert {c.pattern for c in hops} == patterns(n)
+    else:
+        assert {(c.axes, c.pattern) for c in hops} == {
+            (("data",), "shift +1"),
+            (("seq",), "shift +1"),
+        }
+    assert led.summary()[("all-gather", axes)].count == L
+    padded = -(-D * D // (n * 128)) * n * 128  # one layer's bucket as [n, r, 128]
+    assert led.total_bytes_sent() - led.summary()[("all-reduce", axes)].bytes_sent == (
+        2 * (n - 1) / n * padded * 4 * L
+    )
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_fsdp_permuted_back_equals_the_reduce_scatter(n):
+    """FSDP's gather with ``permuted_back`` (its transpose a reduce-scatter of permutes:
+    recursive halving on 2 and 4 devices, a ring on 3), each layer gathered one layer ahead:
+    the plain gather's gradients, with no reduce-scatter left."""
+    mesh = shardkit.make_mesh({"data": n})
+
+    def run(permuted_back):
+        def body(x, ws):
+            gather = functools.partial(dp.fsdp_gather, dims_tree=0, permuted_back=permuted_back)
+            loss = lambda ws: jnp.sum(jnp.sin(dp.prefetch_layers(layer, gather, x, ws)))  # noqa: E731
+            share, g = jax.value_and_grad(loss)(ws)
+            return jax.lax.psum(share, "data"), g
+
+        return layers_step(mesh, body, P("data"), P(None, "data"))
+
+    x, ws = layers_inputs(2 * n)
+    with testing.parity_precision():
+        want, got = run(False)(x, ws), run(True)(x, ws)
+    testing.assert_trees_close(got, want, 1e-5)
+    ringed = ledger.measure(run(True), x, ws, mesh=mesh).summary()
+    assert ("reduce-scatter", ("data",)) not in ringed
+    assert ringed[("collective-permute", ("data",))].count == steps(n) * L

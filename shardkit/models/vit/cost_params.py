@@ -14,11 +14,13 @@ import math
 import jax
 
 import vit_ref
-from shardkit.comm.bytes import all_gather_bytes, all_reduce_bytes
+from shardkit.comm.bytes import all_gather_bytes, all_reduce_bytes, permute_bytes
+from shardkit.comm.ledger import exchange
 from shardkit.comm.terms import Term
+from shardkit.mesh import Plan
 from shardkit.models.vit.geometry import STEP_END, WORD, Axes, Geometry, term
 from shardkit.models.vit.plan import param_axes, row_leaves
-from shardkit.parallel.tiles import bucket_elements
+from shardkit.parallel.tiles import LANES, bucket_elements
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +99,8 @@ def gradient_terms(g: Geometry) -> list[Term]:
     rows = token_row_leaves(g)
     buckets: dict[tuple[Axes, frozenset[str]], int] = {}
     for leaf in param_leaves(g):
+        if leaf.in_blocks and layer_synced(g):
+            continue  # all-reduced layer by layer (``layer_sync_terms``)
         axes = sync_axes(g, leaf)
         size = leaf.local
         if leaf.path[0] in rows:
@@ -114,7 +118,73 @@ def gradient_terms(g: Geometry) -> list[Term]:
         what = f"gradient bucket of {size:,} elements varying over {','.join(sorted(varying))}"
         each = all_reduce_bytes(size * g.grad_word, g.n(axes))
         terms.append(Term("all-reduce", axes, 1, each, what, STEP_END, fused=STEP_END))
-    return [*terms, *row_terms(g)]
+    return [*terms, *row_terms(g), *layer_sync_terms(g)]
+
+
+def layer_synced(g: Geometry) -> bool:
+    """``overlap`` with plain DP's sync (no FSDP or ZeRO): the blocks' gradients are
+    all-reduced layer by layer, under the next layer's backward (``data.sync_in_backward``)."""
+    return layer_synced_plan(g.plan)
+
+
+def layer_synced_plan(plan: Plan) -> bool:
+    """``layer_synced`` of a plan."""
+    return plan.overlap and plan.zero == 0
+
+
+def layer_sync_terms(g: Geometry) -> list[Term]:
+    """DP's overlapped gradient sync (``layer_synced``): in each of the l layers' backward
+    steps, each bucket of one layer's gradients (the block leaves sharing sync axes and
+    varying axes, as at the step's end) is laid out as [n, r, 128] (padded to n·r·128) and
+    reduced by a reduce-scatter of permutes (``permuted_scatter_terms``), each device keeping
+    r·128 elements, then an all-gather of them: 2(n−1)/n · the padded bucket, an
+    all-reduce's bytes. Elements travel
+    in ``grad_sync``'s dtype (``g.grad_word``: XLA:CPU widens these bf16 collectives too)."""
+    if not layer_synced(g):
+        return []
+    word = g.grad_word
+    buckets: dict[tuple[Axes, frozenset[str]], int] = {}
+    for leaf in param_leaves(g):
+        axes = sync_axes(g, leaf)
+        if leaf.in_blocks and axes:
+            key = (axes, frozenset(axes) | frozenset(leaf.split))
+            buckets[key] = buckets.get(key, 0) + leaf.local // g.cfg.depth
+    terms, layers = [], g.cfg.depth
+    for (axes, varying), size in buckets.items():
+        n = g.n(axes)
+        chunk = -(-size // (n * LANES)) * LANES  # r·128 elements: one device's share
+        what = f"one layer's gradient bucket of {size:,} elements over {','.join(sorted(varying))}"
+        hops = f"{what}: reduce-scattered under the next layer's backward"
+        terms += permuted_scatter_terms(g, axes, layers, chunk * word, hops, "backward")
+        terms += term(g, "all-gather", axes, layers, all_gather_bytes(n * chunk * word, n),
+                      f"{what}: the summed shares gathered", "backward")  # fmt: skip
+    return terms
+
+
+def permuted_scatter_terms(
+    g: Geometry, axes: Axes, runs: int, share: float, what: str, phase: str
+) -> list[Term]:
+    """``runs`` reduce-scatters of ``overlap.scatter_by_permutes`` over ``axes`` (n devices),
+    each leaving every device one ``share`` of bytes: recursive halving when n is a power of
+    two, an exchange of d shares with device i XOR d for d = n/2, …, 1 (the ledger books each
+    on the one axis whose coordinate it flips, linear index major first); else a ring, n − 1
+    permutes of one share (i → i + 1). Both send (n − 1) shares, a reduce-scatter's bytes."""
+    axes = g.order(axes)
+    n = g.n(axes)
+    if n & (n - 1):
+        return term(g, "collective-permute", axes, runs * (n - 1), share, what, phase, step=1)
+    terms, d = [], n // 2
+    while d:
+        inner = 1  # devices per step of the axes after this one
+        for axis in reversed(axes):
+            if d < inner * g.sizes[axis]:
+                break
+            inner *= g.sizes[axis]
+        pattern = exchange(d // inner, g.sizes[axis])
+        terms += term(g, "collective-permute", [axis], runs, permute_bytes(d * share),
+                      f"{what} (exchange {d})", phase, pattern=pattern)  # fmt: skip
+        d //= 2
+    return terms
 
 
 def token_row_leaves(g: Geometry) -> tuple[str, ...]:
@@ -168,7 +238,9 @@ def fsdp_terms(g: Geometry) -> list[Term]:
         *fsdp_group(g, "all-gather", outer, 1, "embedding, norms, head", "forward"),
         *fsdp_group(g, "reduce-scatter", outer, 1, "their gradients", "backward"),
         *fsdp_group(g, "all-gather", blocks, layers, "block weights, per layer", "forward"),
-        *fsdp_group(g, "reduce-scatter", blocks, layers, "their gradients", "backward"),
+        *fsdp_group(
+            g, "reduce-scatter", blocks, layers, "their gradients", "backward", g.plan.overlap
+        ),
         *fsdp_group(
             g, "all-gather", blocks * g.plan.recompute, layers, "block weights", "recompute"
         ),
@@ -230,14 +302,21 @@ def fsdp_buckets(g: Geometry, leaves: list[Leaf]) -> list[list[Leaf]]:
 
 
 def fsdp_group(
-    g: Geometry, kind: str, leaves: list[Leaf], runs: int, what: str, phase: str
+    g: Geometry,
+    kind: str,
+    leaves: list[Leaf],
+    runs: int,
+    what: str,
+    phase: str,
+    permuted: bool = False,
 ) -> list[Term]:
     """One term for the buckets of ``leaves``, each gathered (or scattered) ``runs`` times.
 
     A leaf's ``local`` elements times n is its gathered size; block leaves hold all l layers,
     so a bucket's ``runs`` each move 1/runs of its elements: (n−1)/n · Σ local·n·w. FSDP's
     buckets and ZeRO's (``g.fsdp_tiles``: on a TPU) are padded to the tiles the TPU compiler
-    keeps (``parallel.tiles``).
+    keeps (``parallel.tiles``). ``permuted``: each reduce-scatter runs as permutes
+    (``overlap.gather_permuted_back``, ``permuted_scatter_terms``), the same bytes.
     """
     n = g.plan.size("data")
     if not leaves:
@@ -247,6 +326,10 @@ def fsdp_group(
     sizes = [bucket_elements(size, g.fsdp_tiles) for size in sizes]
     count = len(buckets) * runs
     total = all_gather_bytes(sum(sizes) * runs * n * WORD, n)
+    if permuted:
+        share = sum(sizes) * WORD / len(buckets)  # each layer step: one bucket's share per device
+        hidden = f"{what}: reduce-scattered under the next layer's backward"
+        return permuted_scatter_terms(g, ("data",), count, share, hidden, phase)
     return term(g, kind, ["data"], count, total / count, what, phase)
 
 

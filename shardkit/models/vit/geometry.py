@@ -130,12 +130,15 @@ def term(
     what: str,
     phase: str,
     step: int | None = None,
+    pattern: str | None = None,
 ) -> list[Term]:
     """[Term] of ``count`` executions of ``each`` bytes, or [] when nothing runs; a permute
-    shifts by ``step`` along ``axes``, every other kind runs on the axes' groups."""
+    shifts by ``step`` along ``axes`` (or links devices as ``pattern`` says), every other kind
+    runs on the axes' groups."""
     axes = g.order(axes)
     if count == 0 or not axes:
         return []
     n = math.prod(g.sizes[a] for a in axes)
-    pattern = GROUPS if step is None else shift(step, n)
+    if pattern is None:
+        pattern = GROUPS if step is None else shift(step, n)
     return [Term(kind, axes, count, count * each, what, phase, pattern=pattern)]

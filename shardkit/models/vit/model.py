@@ -88,6 +88,7 @@ from shardkit.parallel.tiles import Tiles, tiles_for
 from vit_ref import model as ref
 
 Params = dict[str, Any]
+_is_axes = lambda a: isinstance(a, tuple)  # noqa: E731
 AttentionCore = Callable[[Array, Array, Array], Array]
 
 # ----------------------------------------------------------------------------- layout
@@ -106,7 +107,7 @@ class Layout:
       split: the plan's token-split decision these are read from (``plan.token_split``).
       kernel: the plan's attention kernel ("auto", "jnp" or "pallas"; ``shardkit.kernels``).
       overlap: ``Plan.overlap``: Megatron-SP's regions as collective matmuls, FSDP's layers
-        gathered one ahead.
+        gathered one ahead, DP's layers synced one behind.
     """
 
     mesh: Mesh
@@ -153,6 +154,21 @@ def make_layout(cfg: vit_ref.ViTConfig, plan: Plan, devices: Any = None) -> Layo
         mesh, split.token_axes, split.attention, cfg.num_tokens, padded, split, plan.kernel,
         plan.overlap,
     )  # fmt: skip
+
+
+def layer_sync_axes(cfg: vit_ref.ViTConfig, plan: Plan, lay: Layout) -> Params | None:
+    """Under ``overlap`` with plain DP's gradient sync (no FSDP or ZeRO): per block leaf, the
+    axes (mesh order) its gradient is all-reduced over in the next layer's backward step
+    (``dp.sync_in_backward``) instead of at the step's end; None otherwise. The axes are the
+    ``ShardedModel``'s ``sync_axes`` of the leaf: data, and the token axes it is not split
+    over."""
+    if not (plan.overlap and plan.zero == 0):
+        return None
+    specs = state_specs(cfg, plan)["blocks"]
+    axes = sharded.grad_sync_axes(specs, lay.mesh, ("data",), lay.token_axes)
+    order = lay.mesh.axis_names
+    in_order = lambda a: tuple(x for x in order if x in a)  # noqa: E731
+    return jax.tree.map(in_order, axes, is_leaf=_is_axes)
 
 
 # ----------------------------------------------------------------------------- per device
@@ -231,10 +247,11 @@ def _encoder_local(
     frags: Params | None = None,
 ) -> Array:
     """The stacked layers, scanned or unrolled (``plan.layers``); FSDP gathers each layer's
-    weights inside the body, or with ``overlap`` one layer ahead (``dp.fsdp_prefetch``)
-    (``gather=False``: the blocks are whole already, as a pipeline chunk's are). ZeRO-2: the
-    gradients go to ``frags`` (the blocks' slices), each layer's reduce-scattered in its own
-    backward step."""
+    weights inside the body, or with ``overlap`` one layer ahead (``dp.prefetch_layers``)
+    (``gather=False``: the blocks are whole already, as a pipeline chunk's are); DP with
+    ``overlap`` syncs each layer's gradients in the next one's backward step
+    (``layer_sync_axes``). ZeRO-2: the gradients go to ``frags`` (the blocks' slices), each
+    layer's reduce-scattered in its own backward step."""
     if gather:
         dims = sharded.gather_dims(param_specs(cfg, plan)["blocks"], "data", drop_leading=1)
     else:
@@ -244,16 +261,22 @@ def _encoder_local(
         key_valid = jnp.arange(lay.padded_tokens) < lay.num_tokens
 
     zero_dims = sharded.gather_dims(state_specs(cfg, plan)["blocks"], "data", drop_leading=1)
+    prefetch = lay.overlap and plan.fsdp and gather  # each layer gathered one layer ahead
 
     def gathered(p_layer: Params) -> Params:
-        return dp.fsdp_gather(p_layer, dims, tiles=lay.fsdp_tiles)
+        # prefetched: each gradient's reduce-scatter as permutes, under the next layer's backward
+        return dp.fsdp_gather(p_layer, dims, tiles=lay.fsdp_tiles, permuted_back=prefetch)
 
     @vma.checked_block
     def block(x: Array, p_layer: Params) -> Array:
         return _block_local(x, p_layer, key_valid, cfg, lay)
 
-    if lay.overlap and plan.fsdp and gather:  # each layer gathered one layer ahead
-        return dp.fsdp_prefetch(block, gathered, x, blocks, plan.layers)
+    if prefetch:
+        return dp.prefetch_layers(block, gathered, x, blocks, plan.layers)
+    sync_axes = layer_sync_axes(cfg, plan, lay)
+    if sync_axes is not None:  # DP: each layer's gradients synced under the next's backward
+        sync = functools.partial(dp.sync_in_backward, axes_tree=sync_axes, dtype=plan.grad_sync)
+        return dp.prefetch_layers(block, sync, x, blocks, plan.layers)
 
     def body(x: Array, layer: tuple[Params, Params | None]) -> Array:
         p_layer, f_layer = layer
@@ -390,6 +413,9 @@ class ShardedViT(sharded.ShardedModel):
             zero=plan.zero or 3,  # no rule splits over data below ZeRO-1
             grad_sync=plan.grad_sync,
         )
+        if layer_sync_axes(cfg, plan, self.layout) is not None:  # synced layer by layer instead
+            done = jax.tree.map(lambda _: (), self.sync_axes["blocks"], is_leaf=_is_axes)
+            self.sync_axes = {**self.sync_axes, "blocks": done}
 
     def __repr__(self) -> str:
         pp = (
