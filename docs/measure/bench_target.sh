@@ -24,3 +24,12 @@ import json, sys
 from shardkit.run.target_bench import format_table
 print(format_table(json.load(open(sys.argv[1])), markdown=True))
 PY
+# The six plans with --overlap wherever a plan allows it (docs/target.md, overlap.md).
+shardkit bench --target v5e:2x4 --variant B/16 --dtype bfloat16 --batch 256 \
+  --strategies "DP,FSDP,DP×TP,ring,Ulysses,PP 1F1B×DP×TP" --overlap --json \
+  > "$out/v5e_2x4_B_16_overlap.json"
+python3 - "$out/v5e_2x4_B_16_overlap.json" > "$out/v5e_2x4_B_16_overlap.md" <<'PY'
+import json, sys
+from shardkit.run.target_bench import format_table
+print(format_table(json.load(open(sys.argv[1])), markdown=True))
+PY

@@ -34,6 +34,8 @@ PLANS = {
     ),
     "FSDP, data=8": Plan({"data": 8}, fsdp=True),
     "FSDP×TP, data=4,model=2": Plan({"data": 4, "model": 2}, fsdp=True),
+    "DP, data=8": Plan({"data": 8}),
+    "DP×TP, data=4,model=2": Plan({"data": 4, "model": 2}),
 }
 ROUNDS, WARMUP = 12, 3
 

@@ -195,6 +195,8 @@ def sync_in_backward(tree: PyTree, axes_tree: PyTree, *, dtype: str = "float32")
     """
     leaves, treedef = jax.tree.flatten(tree)
     axes = jax.tree.leaves(axes_tree, is_leaf=lambda a: isinstance(a, tuple))
+    if len(axes) != len(leaves):  # a tuple of leaves reads as one leaf: use a list
+        raise ValueError(f"axes_tree has {len(axes)} axis tuples, the tree {len(leaves)} leaves.")
     return jax.tree.unflatten(treedef, _synced_in_backward(leaves, tuple(axes), dtype))
 
 

@@ -233,3 +233,12 @@ def test_fsdp_permuted_back_equals_the_reduce_scatter(n):
     ringed = ledger.measure(run(True), x, ws, mesh=mesh).summary()
     assert ("reduce-scatter", ("data",)) not in ringed
     assert ringed[("collective-permute", ("data",))].count == steps(n) * L
+
+
+def test_sync_in_backward_names_a_mismatched_axes_tree():
+    """A tuple of axis tuples reads as one leaf (the axes trees' convention): one sentence."""
+    mesh = shardkit.make_mesh({"data": 2})
+    sync = functools.partial(dp.sync_in_backward, axes_tree=(("data",), ("data",)))
+    body = jax.shard_map(lambda a, b: sync((a, b)), mesh=mesh, in_specs=P(), out_specs=P("data"))
+    with pytest.raises(ValueError, match="axes_tree has 1 axis tuples, the tree 2 leaves"):
+        jax.eval_shape(body, jnp.ones(2), jnp.ones(2))
