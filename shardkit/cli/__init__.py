@@ -231,8 +231,8 @@ def with_matrix_options(cases: list[Any], args: argparse.Namespace) -> list[Any]
 def _no_overlap(plan: Any) -> str:
     """Why ``plan`` takes no ``--overlap`` (``Plan``'s rules, in a few words)."""
     if plan.pp != "none" or plan.recompute:
-        return "no --overlap with --pp or --remat yet"
-    return "no --overlap: nothing it hides"
+        return "no overlap: --pp, --remat"
+    return "no overlap: nothing to hide"
 
 
 def plan_given(args: argparse.Namespace) -> bool:

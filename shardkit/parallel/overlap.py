@@ -28,7 +28,6 @@ varying over it (split, or partial); M is the leading dim.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -43,39 +42,30 @@ from shardkit.parallel.collectives import (
 )
 from shardkit.parallel.vma import Axis, shard_map_primitive, vary, varying_axes
 
-Consume = Callable[[jax.Array, jax.Array], None]
-
 
 def _rows(x: jax.Array, k: jax.Array, rows: int) -> jax.Array:
     """Rows [k·rows, (k + 1)·rows) of x."""
     return jax.lax.dynamic_slice_in_dim(x, k * rows, rows, 0)
 
 
-def _ring_blocks(x: jax.Array, axis: str, consume: Consume) -> None:
-    """Hands ``consume(block, source)`` each device's block of x in turn, the next hop issued
-    first: after s hops of +1 the block in hand started on device i − s."""
-    n, i = axis_size(axis), axis_index(axis)
-    block = x
+def _gather_matmul(x: jax.Array, w: jax.Array, axis: str) -> tuple[jax.Array, jax.Array]:
+    """(x_gathered · w, x_gathered): each arriving block multiplied and put in place, the next
+    hop issued first: after s hops of +1 the block in hand started on device i − s."""
+    n, m, i = axis_size(axis), x.shape[0], axis_index(axis)
+    block = vary(x, axis)
+    y = jnp.zeros((n * m, w.shape[-1]), jnp.result_type(x, w))
+    gathered = jnp.zeros((n * m, *x.shape[1:]), x.dtype)
     for s in range(n):
         arriving = ring_shift(block, axis, 1) if s < n - 1 else None
-        consume(block, (i - s) % n)
+        product = block @ w
         if arriving is not None:
-            block = arriving
-
-
-def _gather_matmul(x: jax.Array, w: jax.Array, axis: str) -> tuple[jax.Array, jax.Array]:
-    """(x_gathered · w, x_gathered): each arriving block multiplied and put in place."""
-    n, m = axis_size(axis), x.shape[0]
-    x = vary(x, axis)
-    out = {"y": jnp.zeros((n * m, w.shape[-1]), jnp.result_type(x, w)),
-           "x": jnp.zeros((n * m, *x.shape[1:]), x.dtype)}  # fmt: skip
-
-    def consume(block: jax.Array, source: jax.Array) -> None:
-        out["y"] = jax.lax.dynamic_update_slice_in_dim(out["y"], block @ w, source * m, 0)
-        out["x"] = jax.lax.dynamic_update_slice_in_dim(out["x"], block, source * m, 0)
-
-    _ring_blocks(x, axis, consume)
-    return out["y"], out["x"]
+            # The next hop leaves once this product is done: one matmul under each permute
+            # (left free, the scheduler ran the hops back to back and the matmuls after).
+            arriving, product = jax.lax.optimization_barrier((arriving, product))
+        y = jax.lax.dynamic_update_slice_in_dim(y, product, (i - s) % n * m, 0)
+        gathered = jax.lax.dynamic_update_slice_in_dim(gathered, block, (i - s) % n * m, 0)
+        block = arriving if arriving is not None else block
+    return y, gathered
 
 
 def _matmul_scatter(a: jax.Array, w: jax.Array, axis: str) -> jax.Array:
@@ -88,7 +78,12 @@ def _matmul_scatter(a: jax.Array, w: jax.Array, axis: str) -> jax.Array:
     a = vary(a, axis)
     acc = _rows(a, (i - 1) % n, rows) @ w
     for s in range(1, n):
-        acc = ring_shift(acc, axis, 1) + _rows(a, (i - s - 1) % n, rows) @ w
+        # This step's rows are released with the sum that travels beside their product (left
+        # free, the scheduler ran every product first and the hops bare), and the product is
+        # a fusion of its own (fused into the add, it would wait for the hop).
+        rows_s, acc = jax.lax.optimization_barrier((_rows(a, (i - s - 1) % n, rows), acc))
+        product = jax.lax.optimization_barrier(rows_s @ w)
+        acc = ring_shift(acc, axis, 1) + product
     return acc
 
 

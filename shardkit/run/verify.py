@@ -207,13 +207,14 @@ def _run_case(
     )
 
 
-_COLUMNS = "{:<20} {:<28} {:<9} {:<5} {:<17} {:>8} {:>8} {:>8} {:>6} {:>10} {:>10}  {}"
+_COLUMNS = "{:<{w}} {:<28} {:<9} {:<5} {:<17} {:>8} {:>8} {:>8} {:>6} {:>10} {:>10}  {}"
 
 
-def format_header() -> str:
+def format_header(width: int = 20) -> str:
+    """The table's header; ``width``: the case column's (the longest case name)."""
     return _COLUMNS.format(
         "case", "mesh", "sp", "zero", "pp", "logits", "grads", "step", "tol", "sent MB",
-        "model MB", "ok",
+        "model MB", "ok", w=width,
     )  # fmt: skip
 
 
@@ -224,7 +225,7 @@ def _pp(plan: Plan) -> str:
     return f"{plan.pp} M={plan.microbatches}" + (f" V={plan.virtual}" if plan.virtual > 1 else "")
 
 
-def format_row(r: CaseResult) -> str:
+def format_row(r: CaseResult, width: int = 20) -> str:
     e = r.errors
     return _COLUMNS.format(
         r.name,
@@ -239,6 +240,7 @@ def format_row(r: CaseResult) -> str:
         f"{r.measured_bytes / 1e6:.3f}",
         f"{r.expected_bytes / 1e6:.3f}",
         ("✓" if r.numerics_ok else "✗ numerics") + ("" if r.contract_ok else " ✗ contract"),
+        w=width,
     )
 
 
@@ -255,14 +257,15 @@ def run_cases(
     a closing count, or one JSON object at the end; True when every case holds. ``models``:
     from ``prepare`` (built and checked here otherwise, before anything runs)."""
     models = models or prepare(cfg, cases, batch)
+    width = max(20, *(len(case.name) for case in cases))
     if not as_json:
-        echo(format_header(), flush=True)
+        echo(format_header(width), flush=True)
     results = []
     for case, model in zip(cases, models, strict=True):
         results.append(run_case(cfg, case, batch, model=model))
         beat()
         if not as_json:
-            echo(format_row(results[-1]), flush=True)
+            echo(format_row(results[-1], width), flush=True)
     ok = all(r.ok for r in results)
     if as_json:
         echo(json.dumps({"ok": ok, "cases": [r.to_json() for r in results]}))

@@ -5,8 +5,8 @@ Held here: equal to the plain collective and matmul (the output and both gradien
 full precision) on every axis size 2–8, beside a data axis; on XLA:CPU only collective-permutes
 over the axis, n − 1 per ring and four rings per forward-and-backward, sending exactly the
 plain program's bytes; and, compiled for a v5e:2x4 slice by the TPU compiler on this CPU
-machine, exactly the analytic minimum with most of it (71%) scheduled under a matmul, where
-the plain program's collectives hide nothing. (At M = 8,192, K = 2,048 the compiler also
+machine, exactly the analytic minimum with every byte scheduled under a matmul, where the
+plain program's collectives hide nothing. (At M = 8,192, K = 2,048 the compiler also
 rewrites the plain program's reduce-scatters into all-reduces, 1.56× the bytes:
 docs/strategies/overlap.md.)"""
 
@@ -116,7 +116,7 @@ def test_hidden_under_matmuls_on_the_tpu_compiler():
     ours, plain = compiled(ours_ag, ours_rs), compiled(plain_ag, plain_rs)
     minimum = 4 * 7 / 8 * m * k * 2  # AG of x, RS of the product, and both again backward; bf16
     assert ours.total_bytes_sent() == minimum
-    assert ours.overlapped_fraction >= 0.6
+    assert ours.overlapped_fraction >= 0.95  # every byte (71% before the barriers)
     assert plain.overlapped_fraction < 0.05
 
 

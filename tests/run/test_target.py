@@ -207,14 +207,14 @@ def test_tpu_flags_need_a_target(capsys):
 
 def test_overlapped_megatron_sp_holds_its_contract_and_hides_its_bytes(capsys):
     """Megatron-SP with --overlap compiled for v5e:2x4 (layers unrolled): its rings of
-    permutes hold the contract exactly on the TPU compiler's program, and more than half of
-    their bytes have a matmul scheduled between start and done. The plain regions hold
+    permutes hold the contract exactly on the TPU compiler's program, and 76% of the step's
+    bytes have a matmul scheduled between start and done (ViT-B/16: 98%). The plain regions hold
     their contract too (each all-gather the TPU compiler splits into an async collective
     fusion counted once) and hide only what those fusions put beside a matmul (14%)."""
     argv = ["--mesh", "data=2,model=4", "--sp", "megatron", "--layers", "unrolled"]
     overlapped = inspect_json(capsys, *argv, "--overlap", "--heads", "4")
     assert overlapped["contract_ok"], overlapped["mismatches"]
-    assert overlapped["overlapped_fraction"] > 0.5
+    assert overlapped["overlapped_fraction"] > 0.7
     plain = inspect_json(capsys, *argv, "--heads", "4")
     assert plain["contract_ok"], plain["mismatches"]
     assert 0.0 < plain["overlapped_fraction"] < 0.25
@@ -298,7 +298,7 @@ def test_bench_target_overlaps_every_strategy_that_allows_it(capsys):
             "--json", *SMALL]  # fmt: skip
     assert cli.main(argv) == 0
     rows = {row["strategy"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
-    assert set(rows) == {"DP +overlap", "PP 1F1B×DP×TP (no --overlap with --pp or --remat yet)"}
+    assert set(rows) == {"DP +overlap", "PP 1F1B×DP×TP (no overlap: --pp, --remat)"}
     assert rows["DP +overlap"]["shardkit"]["contract_ok"]
     assert rows["DP +overlap"]["shardkit"]["hidden_fraction"] > 0
 
