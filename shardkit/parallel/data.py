@@ -190,8 +190,8 @@ def sync_in_backward(tree: PyTree, axes_tree: PyTree, *, dtype: str = "float32")
     compiler runs an all-reduce synchronously wherever it stands, but schedules permutes and
     all-gathers beside matmuls that do not need them. Bytes: 2(n − 1)/n · the padded bucket,
     an all-reduce's. ``dtype``: the wire dtype (``Plan.grad_sync``; the sums come back in the
-    cotangent's own). The result is invariant
-    over the axes, as after ``sync_grads``: pass the leaves uncast (not ``vary``'d there).
+    cotangent's own). The result is invariant over the axes, as after ``sync_grads``: pass
+    the leaves uncast (not ``vary``'d there), and leave them out of the step-end sync.
     """
     leaves, treedef = jax.tree.flatten(tree)
     axes = jax.tree.leaves(axes_tree, is_leaf=lambda a: isinstance(a, tuple))
