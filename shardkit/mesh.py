@@ -221,7 +221,11 @@ class Plan:
       pp: the pipeline schedule over ``stage`` (``parallel.schedules``): none, gpipe, 1f1b,
         interleaved, zb (ZB-H1) or zbv (ZB-V, two chunks per stage: ``virtual`` becomes 2);
         needs stage > 1, and stage > 1 needs one.
-      microbatches: M, the pipeline's microbatches per data-local batch (1 without a pipeline).
+      microbatches: M, micro-batches per data-local batch: the pipeline's, or without one,
+        gradient accumulation (``data.accumulate``: the M micro-batches run one after
+        another, their gradients summed before the step's one sync; the same bytes, one
+        micro-batch's activations live). Not with FSDP, ZeRO-2 or DP's layer-by-layer sync
+        (``--overlap``), whose param collectives would run M times.
       virtual: V, layer chunks per stage (``interleaved`` only).
       kernel: attention's per-device compute (``KERNELS``): "jnp", "pallas" (JAX's splash
         kernels, ``shardkit.kernels``; Pallas' interpreter off a TPU) or "auto" (Pallas on a
@@ -346,8 +350,15 @@ class Plan:
             (none and stages > 1,
              f"The mesh has stage={stages} but no pipeline schedule; give --pp gpipe, 1f1b, "
              "interleaved, zb or zbv"),
-            (none and self.microbatches > 1,
-             f"--microbatches {self.microbatches} only applies with a pipeline (--pp)"),
+            (none and self.microbatches > 1 and self.zero >= 2,
+             f"--microbatches {self.microbatches} without --pp accumulates gradients over the "
+             f"micro-batches, and --zero {self.zero} would gather or scatter the params once per "
+             "micro-batch (not built); use --zero 1 or no ZeRO"),
+            (none and self.microbatches > 1 and self.overlap and self.zero == 0
+             and data * seq > 1,
+             f"--microbatches {self.microbatches} without --pp accumulates gradients, and "
+             "--overlap's layer-by-layer gradient sync would run once per micro-batch (not "
+             "built); drop --overlap"),
             (none and virtual > 1, f"--virtual {virtual} only applies with --pp interleaved"),
             (not none and stages == 1,
              f"--pp {pp} needs a stage axis of size > 1 in --mesh (it has stage=1)"),
@@ -396,3 +407,52 @@ def without_axes(specs: Any, axes: Sequence[str]) -> Any:
         return P(*entries)
 
     return jax.tree.map(without, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def spec_axes(spec: P) -> tuple[str, ...]:
+    """The mesh axes a spec splits over, in dim order (a dim may name several)."""
+    out: list[str] = []
+    for entry in spec:
+        out += [entry] if isinstance(entry, str) else list(entry or ())
+    return tuple(out)
+
+
+def _padded(spec: P, ndim: int) -> tuple[Any, ...]:
+    """The spec's entries, one per dim (a spec may name fewer dims than the array has)."""
+    return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def leaf_path(path: tuple[Any, ...]) -> str:
+    """``"blocks/mlp/fc1/kernel"`` for a pytree key path (the form ``token_free`` matches)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def check_divisible(shapes: Any, specs: Any, axes_tree: Any, mesh: Mesh) -> None:
+    """Raises PlanError naming the first leaf whose split dim is not divisible by its axes.
+
+    ``shapes`` holds arrays or anything with ``.shape``; ``specs`` and ``axes_tree`` match it.
+    """
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    flat_names = jax.tree.leaves(axes_tree, is_leaf=lambda x: isinstance(x, tuple))
+    flat_shapes = jax.tree_util.tree_leaves_with_path(shapes)
+    if not len(flat_shapes) == len(flat_specs) == len(flat_names):
+        raise PlanError(
+            f"The params have {len(flat_shapes)} leaves but param_axes names {len(flat_names)}: "
+            "give one tuple of logical names per leaf."
+        )
+    for (path, leaf), spec, names in zip(flat_shapes, flat_specs, flat_names, strict=True):
+        shape = tuple(leaf.shape)
+        if len(names) != len(shape):
+            raise PlanError(
+                f"Param {leaf_path(path)} has {len(shape)} dims {shape} but param_axes names "
+                f"{len(names)}: {names}."
+            )
+        for dim, (size, entry) in enumerate(zip(shape, _padded(spec, len(shape)), strict=True)):
+            axes = spec_axes(P(entry))
+            n = math.prod(mesh.shape[a] for a in axes)
+            if size % n:
+                split = "×".join(f"{a}={mesh.shape[a]}" for a in axes)
+                raise PlanError(
+                    f"Param {leaf_path(path)} dim {dim} ({names[dim]}, size {size}) is not "
+                    f"divisible by {split}."
+                )

@@ -65,8 +65,12 @@ def assert_one_sentence(err: Exception) -> None:
         ),
         (lambda: Plan({"stage": 2}), "The mesh has stage=2 but no pipeline schedule; give --pp"),
         (
-            lambda: Plan({"data": 2}, microbatches=2),
-            "--microbatches 2 only applies with a pipeline",
+            lambda: Plan({"data": 2}, fsdp=True, microbatches=2),
+            "--zero 3 would gather or scatter the params once per micro-batch",
+        ),
+        (
+            lambda: Plan({"data": 2}, overlap=True, microbatches=2),
+            "--overlap's layer-by-layer gradient sync would run once per micro-batch",
         ),
         (lambda: Plan({"data": 2}, virtual=2), "--virtual 2 only applies with --pp interleaved"),
         (

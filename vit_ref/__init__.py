@@ -3,6 +3,7 @@
 from vit_ref.config import VARIANT_NAMES, ViTConfig, variant
 from vit_ref.model import Params, forward, init, param_axes, posemb_sincos2d
 from vit_ref.train import (
+    accumulated_grads,
     accuracy,
     cross_entropy,
     loss_fn,
@@ -15,6 +16,7 @@ __all__ = [
     "VARIANT_NAMES",
     "Params",
     "ViTConfig",
+    "accumulated_grads",
     "accuracy",
     "cross_entropy",
     "forward",

@@ -12,6 +12,9 @@ Each variant is vit_ref's forward with some choices changed, timed like ``bench 
   attn       ref | flax: flax's order (q scaled by a Python float, then bf16 logits and softmax)
   layers     stacked | list: per-layer params as one [depth, ...] array or a list of trees
   norm       1: also compute the gradients' global norm (as ``vit_ref.make_train_step`` does)
+  accum      N: the batch as N micro-batches under ``lax.scan``, gradients summed, one update
+  chunk      N: attention's core over batch chunks of N images (``lax.map``), or with
+             ``chunks=unrolled`` as a Python loop over slices
 
     python docs/measure/tpu_vit_variants.py --batch 32 base loop res=bf16 ...
 """
@@ -41,6 +44,20 @@ def attention(q, k, v, scores):
     return jnp.einsum("bhqs,bshk->bqhk", probs, v)
 
 
+def by_chunks(fn, q, k, v, opts):
+    chunk, b = int(opts.get("chunk", 0)), q.shape[0]
+    if not chunk or chunk >= b:
+        return fn(q, k, v)
+    if opts.get("chunks") == "unrolled":
+        parts = [
+            fn(q[i : i + chunk], k[i : i + chunk], v[i : i + chunk]) for i in range(0, b, chunk)
+        ]
+        return jnp.concatenate(parts, axis=0)
+    split = lambda a: a.reshape(b // chunk, chunk, *a.shape[1:])  # noqa: E731
+    out = jax.lax.map(lambda qkv: fn(*qkv), (split(q), split(k), split(v)))
+    return out.reshape(b, *out.shape[2:])
+
+
 def block(x, p, dtype, opts):
     h = ref.layer_norm(x, p["ln1"]).astype(dtype)
     a = p["attn"]
@@ -51,7 +68,8 @@ def block(x, p, dtype, opts):
         q, k, v = qkv[0], qkv[1], qkv[2]
     else:
         q, k, v = (ref.dense(h, a[n], "btd,dhk->bthk", dtype) for n in ("query", "key", "value"))
-    o = attention(q, k, v, "flax" if opts.get("attn") == "flax" else opts.get("scores", "f32"))
+    scores = "flax" if opts.get("attn") == "flax" else opts.get("scores", "f32")
+    o = by_chunks(lambda q, k, v: attention(q, k, v, scores), q, k, v, opts)
     x = x + ref.dense(o, a["out"], "bthk,hkd->btd", dtype).astype(x.dtype)
     return x + ref.mlp(ref.layer_norm(x, p["ln2"]), p["mlp"], dtype).astype(x.dtype)
 
@@ -87,8 +105,22 @@ def step_and_args(cfg, batch, opts):
     images = jnp.asarray(rng.normal(size=(batch, cfg.image, cfg.image, 3)), jnp.float32)
     labels = jnp.asarray(rng.integers(0, cfg.classes, batch), jnp.int32)
 
+    def grads_of(params, images, labels):
+        n = int(opts.get("accum", 1))
+        if n == 1:
+            return jax.value_and_grad(loss_fn)(params, images, labels, cfg, opts)
+
+        def micro(total, xy):
+            value, grads = jax.value_and_grad(loss_fn)(params, *xy, cfg, opts)
+            return jax.tree.map(jnp.add, total, (value, grads)), None
+
+        split = lambda a: a.reshape(n, a.shape[0] // n, *a.shape[1:])  # noqa: E731
+        zeros = jax.tree.map(jnp.zeros_like, (jnp.float32(0), params))
+        total, _ = jax.lax.scan(micro, zeros, (split(images), split(labels)))
+        return jax.tree.map(lambda a: a / n, total)
+
     def step(params, state, images, labels):
-        value, grads = jax.value_and_grad(loss_fn)(params, images, labels, cfg, opts)
+        value, grads = grads_of(params, images, labels)
         metrics = {"loss": value}
         if "norm" in opts:
             metrics["grad_norm"] = optax.tree.norm(grads)

@@ -43,6 +43,8 @@ def add_parser(sub: Any) -> None:
     chip.add_argument("--batches", default="32,64,128,256", help="comma-separated batch sizes")
     chip.add_argument("--remats", default="dots",
                       help=f"comma-separated remat policies of {REMAT_POLICIES}")  # fmt: skip
+    chip.add_argument("--micro-batch", type=int, metavar="N", help="run a batch larger than N "
+                      "as batch/N micro-batches of N, gradients accumulated")  # fmt: skip
     bench.add_argument("--schedules", action="store_true", help="every pipeline schedule on "
                        "the plan's stage axis: time, bubble, matmul FLOPs (--mesh ...,stage=S "
                        "--microbatches M)")  # fmt: skip
@@ -194,9 +196,16 @@ def _run_chip_bench(args: argparse.Namespace) -> int:
     if args.variant is None and args.dim is None:
         args.variant, args.dtype = "B/16", args.dtype or "bfloat16"
     cfg = model_config(args, head_zeroinit=False)
+    if args.micro_batch is not None and args.micro_batch < 1:
+        raise UsageError(f"--micro-batch must be a positive integer, got {args.micro_batch}.")
+    try:
+        for batch in batches:
+            throughput.micro_batches(batch, args.micro_batch)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     result = throughput.run(cfg, batches, remats, steps=args.steps, warmup=args.warmup,
                             progress=_progress, layers=args.layers or "scan",
-                            kernel=args.kernel or "auto")  # fmt: skip
+                            kernel=args.kernel or "auto", micro_batch=args.micro_batch)  # fmt: skip
     if args.plot:
         throughput.plot(result, args.plot)
     print(json.dumps(result) if args.json else throughput.format_table(result))

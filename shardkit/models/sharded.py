@@ -28,6 +28,9 @@ The generic layer under every sharded model here (``ShardedViT`` is one user of 
   pipeline     a ``staged.Stages``: the model cut into embed / stage / loss functions and
                run by a pipeline schedule over ``stage`` (``models.staged`` says how); the
                batch is then (inputs, targets).
+  accumulate   M: each step runs the local batch as M micro-batches, one after another,
+               gradients summed before the one sync (``data.accumulate``; not with a pipeline,
+               whose ``Stages`` have microbatches of their own).
   remat        what the backward recomputes in the blocks ``loss_local`` marks with
                ``parallel.remat.block``: "none" (default), "dots" or "full" (``remat.POLICIES``).
   compute_dtype  mixed precision: ``"bfloat16"`` hands ``loss_local`` its params cast to bf16
@@ -75,7 +78,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
-from shardkit.mesh import GRAD_SYNC, PlanError, logical_specs, without_axes
+from shardkit.mesh import (
+    GRAD_SYNC,
+    PlanError,
+    check_divisible,
+    leaf_path,
+    logical_specs,
+    spec_axes,
+    without_axes,
+)
 from shardkit.models import staged
 from shardkit.parallel import data as dp
 from shardkit.parallel import remat as remat_policies
@@ -92,24 +103,6 @@ def _is_names(x: Any) -> bool:
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
-
-
-def _spec_axes(spec: P) -> Axes:
-    """The mesh axes a spec splits over, in dim order (a dim may name several)."""
-    out: list[str] = []
-    for entry in spec:
-        out += [entry] if isinstance(entry, str) else list(entry or ())
-    return tuple(out)
-
-
-def _padded(spec: P, ndim: int) -> tuple[Any, ...]:
-    """The spec's entries, one per dim (a spec may name fewer dims than the array has)."""
-    return tuple(spec) + (None,) * (ndim - len(spec))
-
-
-def leaf_path(path: tuple[Any, ...]) -> str:
-    """``"blocks/mlp/fc1/kernel"`` for a pytree key path (the form ``token_free`` matches)."""
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
 # ----------------------------------------------------------------------------- derivations
@@ -130,37 +123,6 @@ def mesh_rules(rules: Mapping[str, str], mesh: Mesh) -> dict[str, str]:
     return {name: axis for name, axis in rules.items() if mesh.shape[axis] > 1}
 
 
-def check_divisible(shapes: PyTree, specs: PyTree, axes_tree: PyTree, mesh: Mesh) -> None:
-    """Raises PlanError naming the first leaf whose split dim is not divisible by its axes.
-
-    ``shapes`` holds arrays or anything with ``.shape``; ``specs`` and ``axes_tree`` match it.
-    """
-    flat_specs = jax.tree.leaves(specs, is_leaf=_is_spec)
-    flat_names = jax.tree.leaves(axes_tree, is_leaf=_is_names)
-    flat_shapes = jax.tree_util.tree_leaves_with_path(shapes)
-    if not len(flat_shapes) == len(flat_specs) == len(flat_names):
-        raise PlanError(
-            f"The params have {len(flat_shapes)} leaves but param_axes names {len(flat_names)}: "
-            "give one tuple of logical names per leaf."
-        )
-    for (path, leaf), spec, names in zip(flat_shapes, flat_specs, flat_names, strict=True):
-        shape = tuple(leaf.shape)
-        if len(names) != len(shape):
-            raise PlanError(
-                f"Param {leaf_path(path)} has {len(shape)} dims {shape} but param_axes names "
-                f"{len(names)}: {names}."
-            )
-        for dim, (size, entry) in enumerate(zip(shape, _padded(spec, len(shape)), strict=True)):
-            axes = _spec_axes(P(entry))
-            n = math.prod(mesh.shape[a] for a in axes)
-            if size % n:
-                split = "×".join(f"{a}={mesh.shape[a]}" for a in axes)
-                raise PlanError(
-                    f"Param {leaf_path(path)} dim {dim} ({names[dim]}, size {size}) is not "
-                    f"divisible by {split}."
-                )
-
-
 def grad_sync_axes(
     specs: PyTree,
     mesh: Mesh,
@@ -179,7 +141,7 @@ def grad_sync_axes(
     big = {a for a, n in mesh.shape.items() if n > 1}
 
     def axes(path: tuple[Any, ...], spec: P) -> Axes:
-        split = set(_spec_axes(spec))
+        split = set(spec_axes(spec))
         out = [a for a in batch_axes if a in big and a not in split]
         name = leaf_path(path)
         if not any(name == f or name.startswith(f + "/") for f in token_free):
@@ -198,7 +160,7 @@ def gather_dims(specs: PyTree, axis: str = "data", drop_leading: int = 0) -> PyT
 
     def dim(spec: P) -> int | None:
         for i, entry in enumerate(spec):
-            if axis in _spec_axes(P(entry)):
+            if axis in spec_axes(P(entry)):
                 return i - drop_leading
         return None
 
@@ -237,17 +199,12 @@ class ShardedModel:
         aux: bool = False,
         remat: str = "none",
         grad_sync: str = "float32",
+        accumulate: int = 1,
     ) -> None:
-        missing = [a for a in (*batch_axes, *token_axes) if a not in mesh.shape]
-        if missing:
-            raise PlanError(
-                f"Axis {missing[0]!r} is not in the mesh (axes: {', '.join(mesh.axis_names)})."
-            )
-        if loss_local is None and pipeline is None:
-            raise PlanError("Give loss_local (or a pipeline, whose stages compute the loss).")
-        if pipeline is not None and aux != (pipeline.metrics is not None):
-            raise PlanError("Under a pipeline, give aux=True exactly when its Stages have metrics.")
+        _check_arguments(mesh, (*batch_axes, *token_axes), loss_local, pipeline, aux,
+                         accumulate)  # fmt: skip
         _check_choices(zero=zero, compute_dtype=compute_dtype, grad_sync=grad_sync)
+        self.accumulate = accumulate
         self.compute_dtype, self.keep_float32, self.aux = compute_dtype, tuple(keep_float32), aux
         self.grad_sync = grad_sync
         try:
@@ -324,7 +281,7 @@ class ShardedModel:
             )
         for i, (x, spec) in enumerate(zip(batch, self.batch_specs, strict=True)):
             for dim, entry in enumerate(spec):
-                axes = _spec_axes(P(entry))
+                axes = spec_axes(P(entry))
                 n = math.prod(self.mesh.shape[a] for a in axes)
                 if x.shape[dim] % n:
                     split = "×".join(f"{a}={self.mesh.shape[a]}" for a in axes)
@@ -425,9 +382,12 @@ class ShardedModel:
         if self.zero == 2 and self.zero_axis:
             frags = dp.zero_slices(params, self.zero_dims, self.zero_axis)
             grad_fn = jax.value_and_grad(self.zero2_loss_local, has_aux=self.aux)
-            out, grads = grad_fn(frags, params, *batch)
+            out, grads = dp.accumulate(
+                lambda f, *b: grad_fn(f, params, *b), frags, batch, self.accumulate
+            )
         else:
-            out, grads = jax.value_and_grad(self._loss_gathered, has_aux=self.aux)(params, *batch)
+            grad_fn = jax.value_and_grad(self._loss_gathered, has_aux=self.aux)
+            out, grads = dp.accumulate(grad_fn, params, batch, self.accumulate)
         share, metrics = (out, None) if not self.aux else out
         grads, loss = self.finish_grads(grads, share)
         return (loss, grads) if metrics is None else ({"loss": loss, **metrics}, grads)
@@ -467,7 +427,7 @@ class ShardedModel:
     @property
     def split_axes(self) -> PyTree:
         """Per gradient leaf, the mesh axes it is split over (for ``data.global_norm``)."""
-        return jax.tree.map(_spec_axes, self.state_specs, is_leaf=_is_spec)
+        return jax.tree.map(spec_axes, self.state_specs, is_leaf=_is_spec)
 
     @property
     def reduce_axes(self) -> Axes:
@@ -575,6 +535,29 @@ CHOICES = {
 }
 
 
+def _check_arguments(
+    mesh: Mesh,
+    axes: Axes,
+    loss_local: LossLocal | None,
+    pipeline: staged.Stages | None,
+    aux: bool,
+    accumulate: Any,
+) -> None:
+    """PlanError (one sentence) for ``ShardedModel`` arguments that contradict each other."""
+    missing = [a for a in axes if a not in mesh.shape]
+    if missing:
+        raise PlanError(
+            f"Axis {missing[0]!r} is not in the mesh (axes: {', '.join(mesh.axis_names)})."
+        )
+    if loss_local is None and pipeline is None:
+        raise PlanError("Give loss_local (or a pipeline, whose stages compute the loss).")
+    if pipeline is not None and aux != (pipeline.metrics is not None):
+        raise PlanError("Under a pipeline, give aux=True exactly when its Stages have metrics.")
+    if not isinstance(accumulate, int) or accumulate < 1 or (accumulate > 1 and pipeline):
+        raise PlanError(f"accumulate must be a positive integer (1 under a pipeline, which "
+                        f"has microbatches of its own), got {accumulate!r}.")  # fmt: skip
+
+
 def _check_choices(**given: Any) -> None:
     """PlanError (one sentence) for a ``ShardedModel`` argument outside its ``CHOICES``."""
     for name, value in given.items():
@@ -591,7 +574,7 @@ def _warn_unsplit_batch(batch_specs: Sequence[P], batch_axes: Axes) -> None:
     """Warns (once per call site) for a batch input whose spec splits no batch axis: every
     replica along them would get the whole input and data parallelism be off, silently."""
     for i, spec in enumerate(batch_specs):
-        if batch_axes and not set(_spec_axes(spec)) & set(batch_axes):
+        if batch_axes and not set(spec_axes(spec)) & set(batch_axes):
             warnings.warn(
                 f"batch_specs[{i}] = {spec} splits no batch axis ({', '.join(batch_axes)}): "
                 f"every replica along it gets the whole input, so data parallelism is off for "

@@ -96,6 +96,47 @@ def sync_grads(grads: PyTree, axes_tree: PyTree) -> PyTree:
     return jax.tree.unflatten(treedef, out)
 
 
+def accumulate(
+    value_and_grad: Callable[..., tuple[Any, PyTree]],
+    primals: PyTree,
+    batch: Sequence[Array],
+    micro: int,
+) -> tuple[Any, PyTree]:
+    """Gradient accumulation: ``value_and_grad(primals, *batch)`` over ``micro`` micro-batches
+    of the local batch, one after another (``lax.scan``), values and gradients averaged.
+
+    Every ``batch`` input is split along dim 0 into [M, b/M, ...]; micro-batch m holds local
+    examples m·b/M … (m+1)·b/M − 1. Each micro-batch's loss is computed as if it were the
+    batch (a mean over it), so the average over the M micro-batches is the batch's mean: the
+    same value and gradients as one pass, up to float summation order, with one micro-batch's
+    activations live at a time and one gradient-sized float32 sum carried. Collectives inside
+    ``value_and_grad`` (a model's activation all-reduces, an FSDP gather) run once per
+    micro-batch; sync the returned gradients once, after it. ``micro=1``: one plain call.
+
+    Raises:
+      ValueError: the local batch is not divisible by ``micro``.
+    """
+    if micro == 1:
+        return value_and_grad(primals, *batch)
+    rows = {x.shape[0] for x in batch}
+    if any(n % micro for n in rows):
+        raise ValueError(
+            f"The local batch ({', '.join(map(str, sorted(rows)))}) is not divisible by "
+            f"{micro} micro-batches."
+        )
+    split = tuple(x.reshape(micro, x.shape[0] // micro, *x.shape[1:]) for x in batch)
+    # The sum starts typed as the gradients will be: each varies like its primal.
+    zeros = jax.tree.map(lambda p: vary_leaf(jnp.zeros_like(p), varying_axes(p)), primals)
+
+    def one(total: PyTree, micro_batch: tuple[Array, ...]) -> tuple[PyTree, Any]:
+        value, grads = value_and_grad(primals, *micro_batch)
+        return jax.tree.map(jnp.add, total, grads), value
+
+    total, values = jax.lax.scan(one, zeros, split)
+    averaged = jax.tree.map(lambda v: v.sum(0) / micro, values)
+    return averaged, jax.tree.map(lambda g: g / micro, total)
+
+
 def narrowed(grads: PyTree, dtype: str) -> PyTree:
     """``grads`` for a gradient sync in ``dtype``: float leaves wider than it cast to it.
 

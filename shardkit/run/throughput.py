@@ -11,7 +11,9 @@ step, images per second and MFU = ``bench.model_flops`` per step / median step /
 chip's peak (``PEAK_FLOPS`` by ``device_kind``; on a backend with no entry, the matmul peak
 measured in the same run, as ``bench`` does). A step that does not fit is a row with its
 error, not a crash. The sharded ViT runs on ``Plan({"data": 1})``: one ``shard_map`` over one
-device, so the gap between the two is the cost of the toolkit itself.
+device, so the gap between the two is the cost of the toolkit itself. With ``micro_batch`` N,
+a batch larger than N runs as batch/N micro-batches of N, their gradients summed before the
+one update (gradient accumulation: ``Plan.microbatches``, ``vit_ref.make_train_step``'s).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Row:
     remat: str
     layers: str = "scan"
     kernel: str = "jnp"  # the sharded ViT's attention kernel (resolved; vit_ref: its own core)
+    microbatches: int = 1  # gradient accumulation: the batch as this many micro-batches
     step_s: float | None = None
     images_per_s: float | None = None
     back_to_back_images_per_s: float | None = None
@@ -77,18 +80,33 @@ def _inputs(cfg: vit_ref.ViTConfig, batch: int) -> tuple[jax.Array, jax.Array]:
     return jnp.asarray(images), jnp.asarray(rng.integers(0, cfg.classes, batch), jnp.int32)
 
 
+def micro_batches(batch: int, micro_batch: int | None) -> int:
+    """How many micro-batches of ``micro_batch`` run ``batch`` (1 when it is not larger).
+
+    Raises:
+      ValueError: ``batch`` is larger than ``micro_batch`` and not a multiple of it.
+    """
+    if micro_batch is None or batch <= micro_batch:
+        return 1
+    if batch % micro_batch:
+        raise ValueError(f"batch {batch} is not a multiple of --micro-batch {micro_batch}.")
+    return batch // micro_batch
+
+
 def _step_and_args(
-    who: str, cfg: vit_ref.ViTConfig, batch: int, remat: str, layers: str, kernel: str = "auto"
-) -> tuple[Any, tuple[Any, ...]]:
+    who: str, cfg: vit_ref.ViTConfig, batch: int, remat: str, layers: str, kernel: str = "auto",
+    micro: int = 1,
+) -> tuple[Any, tuple[Any, ...]]:  # fmt: skip
     """(jitted step, its arguments on the device) for ``who`` in ``MODELS``."""
     params = vit_ref.init(jax.random.key(0), cfg)
     optimizer = vit_ref.make_optimizer()
     images, labels = _inputs(cfg, batch)
     if who == "vit_ref":
         state = jax.jit(optimizer.init)(params)
-        step = vit_ref.make_train_step(cfg, optimizer, remat, layers)
+        step = vit_ref.make_train_step(cfg, optimizer, remat, layers, microbatches=micro)
         return step, (params, state, images, labels)
-    model = ShardedViT(cfg, Plan({"data": 1}, remat=remat, layers=layers, kernel=kernel))
+    plan = Plan({"data": 1}, remat=remat, layers=layers, kernel=kernel, microbatches=micro)
+    model = ShardedViT(cfg, plan)
     placed = model.shard(params)
     state = model.init_opt_state(optimizer, placed)
     return model.train_step(optimizer), (placed, state, *model.shard_batch(images, labels))
@@ -142,12 +160,13 @@ def measure(
     warmup: int,
     peak: float,
     kernel: str = "auto",
+    micro: int = 1,
 ) -> Row:
     """One row: compile, memory, timed steps (the module docstring says how)."""
     used = kernels.resolve_kernel(kernel, cfg.num_tokens) if who == "shardkit" else "jnp"
-    row = Row(who, batch, remat, layers, used)
+    row = Row(who, batch, remat, layers, used, microbatches=micro)
     try:
-        step, args = _step_and_args(who, cfg, batch, remat, layers, kernel)
+        step, args = _step_and_args(who, cfg, batch, remat, layers, kernel, micro)
         timing = time_step(step, args, steps, warmup)
     except (jax.errors.JaxRuntimeError, RuntimeError, MemoryError) as err:  # e.g. out of memory
         row.error = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
@@ -174,16 +193,21 @@ def run(
     progress: Callable[[str], None] = lambda _: None,
     layers: str = "scan",
     kernel: str = "auto",
+    micro_batch: int | None = None,
 ) -> dict[str, Any]:
     """Every (batch, remat, model) row at ``layers`` (the sharded ViT's attention on
-    ``kernel``); ``{"rows": [...], ...}`` (``bench --chip --json``)."""
+    ``kernel``; batches over ``micro_batch`` accumulated); ``{"rows": [...], ...}`` (``bench
+    --chip --json``)."""
+    micros = {batch: micro_batches(batch, micro_batch) for batch in batches}  # checked first
     kind, peak, source = chip_peak()
     rows = []
     for batch in batches:
         for remat in remats:
             for who in models:
-                progress(f"{who} batch {batch} remat={remat} layers={layers}")
-                rows.append(measure(who, cfg, batch, remat, layers, steps, warmup, peak, kernel))
+                progress(f"{who} batch {batch} remat={remat} layers={layers} "
+                         f"micro-batches={micros[batch]}")  # fmt: skip
+                rows.append(measure(who, cfg, batch, remat, layers, steps, warmup, peak, kernel,
+                                    micros[batch]))  # fmt: skip
     return {
         "model": dataclasses.asdict(cfg),
         "device_kind": kind,
@@ -198,13 +222,15 @@ def run(
 def format_table(result: dict[str, Any]) -> str:
     """The rows as a table: img/s (waited for, back to back), MFU, step ms, temp and peak GB,
     compile s."""
-    head = f"{'model':<18}{'batch':>6} {'remat':<6}{'layers':<9}{'img/s':>9}{'b2b img/s':>10}"
+    head = f"{'model':<18}{'batch':>6}{'micro':>6} {'remat':<6}{'layers':<9}{'img/s':>9}"
+    head += f"{'b2b img/s':>10}"
     head += f"{'MFU':>8}{'ms':>9}{'temp GB':>9}{'peak GB':>9}{'compile s':>11}"
     lines = [f"{result['device_kind']}: peak {result['peak_flops_per_s'] / 1e12:.0f} TFLOP/s "
              f"({result['peak_source']})", head]  # fmt: skip
     for r in result["rows"]:
         name = r["model"] + (f" ({r['kernel']})" if r["model"] == "shardkit" else "")
-        start = f"{name:<18}{r['batch']:>6} {r['remat']:<6}{r['layers']:<9}"
+        micro = f"{r['batch'] // r.get('microbatches', 1)}×{r.get('microbatches', 1)}"
+        start = f"{name:<18}{r['batch']:>6}{micro:>6} {r['remat']:<6}{r['layers']:<9}"
         if r["error"]:
             lines.append(start + f"  failed: {r['error']}")
             continue
@@ -227,6 +253,11 @@ def plot(result: dict[str, Any], path: str) -> None:
     series: dict[str, list[dict[str, Any]]] = {}
     for r in result["rows"]:
         label = f"{r['model']}, remat={r['remat']}"
+        label += (
+            f", micro-batch {r['batch'] // r['microbatches']}"
+            if r.get("microbatches", 1) > 1
+            else ""
+        )
         label += f", {r['layers']}" if "layers" in r else ""
         series.setdefault(label, []).append(r)
     for label, rows in series.items():

@@ -41,13 +41,13 @@ def cases(draw):
     return shape, dict(batch=batch, tokens=tokens, dim=4 * heads, heads=heads, mlp=mlp)
 
 
-def build(shape, d, rules=None, zero=3):
+def build(shape, d, rules=None, zero=3, accumulate=1):
     mesh = shardkit.make_mesh(shape)
     model = own.sharded_model(mesh)
-    if rules is not None:
-        model = ShardedModel(mesh, own.param_axes(LAYERS), rules, model.loss_local,
+    if rules is not None or accumulate > 1:
+        model = ShardedModel(mesh, own.param_axes(LAYERS), rules or own.RULES, model.loss_local,
                              batch_specs=model.batch_specs, token_axes=("seq",),
-                             zero=zero)  # fmt: skip
+                             zero=zero, accumulate=accumulate)  # fmt: skip
     params = own.init(0, D_IN, d["dim"], d["heads"], d["mlp"], LAYERS)
     return mesh, model, params, own.batch_of(1, d["batch"], d["tokens"], D_IN)
 
@@ -105,6 +105,31 @@ def test_zero_levels_split_the_state_not_the_params(zero):
         mu = stepped[0][2][0].mu["embed"]["kernel"]  # type: ignore[index]
         assert mu.sharding.spec == P(None, "data") and mu.addressable_shards[0].data.shape == (3, 4)
         testing.assert_trees_close(stepped[0][:2], stepped[1][:2], what=f"ZeRO-{zero} steps")
+
+
+@pytest.mark.parametrize(("rules", "zero"), [(None, 3), ("fsdp", 3), ("fsdp", 2)])
+def test_accumulated_micro_batches_equal_one_pass(rules, zero):
+    """``accumulate=2``: the local batch as 2 micro-batches, one after another, averaged; the
+    loss and every gradient equal the twin's on the whole batch (ring over seq, TP, DP; with
+    FSDP's gathers and ZeRO-2's scatters once per micro-batch)."""
+    shape, d = {"data": 2, "seq": 2, "model": 2}, dict(batch=8, tokens=4, dim=8, heads=2, mlp=8)
+    rules = {**own.RULES, "embed": "data"} if rules == "fsdp" else None
+    with jax.numpy_rank_promotion("allow"):
+        _, model, params, (x, y) = build(shape, d, rules, zero=zero, accumulate=2)
+        assert model.accumulate == 2
+        testing.compare_sharded(model.loss_and_grads, own.twin_loss, params, x, y,
+                                place=model.shard).assert_ok()  # fmt: skip
+        text = jax.jit(model.loss_and_grads).lower(model.shard(params), *model.shard_batch(x, y))
+        assert "while" in text.as_text()  # the micro-batch loop
+        with pytest.raises(ValueError, match=r"local batch \(2\) is not divisible by 4 micro"):
+            build(shape, d, rules, zero=zero, accumulate=4)[1].loss_and_grads(
+                model.shard(params), *model.shard_batch(x[:4], y[:4]))  # fmt: skip
+
+
+def test_accumulate_is_refused_under_a_pipeline_or_below_one():
+    mesh = shardkit.make_mesh({"data": 2})
+    with pytest.raises(PlanError, match="accumulate must be a positive integer"):
+        ShardedModel(mesh, {"w": ("embed",)}, {}, lambda p, x: x.sum(), accumulate=0)
 
 
 def test_a_leaf_wrongly_token_free_is_an_implicit_collective():

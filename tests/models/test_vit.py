@@ -172,6 +172,9 @@ def check_equal_to_reference(case: Case, tol: float = TOL) -> None:
 # DP with each layer's gradients synced under the next layer's backward, TP inside.
 @example(case=(vit(), Plan({"data": 4, "model": 2}, overlap=True), 4))
 @example(case=(vit(), Plan({"data": 3}, overlap=True, layers="unrolled"), 3))
+# Gradient accumulation: 2 micro-batches per data shard, synced once (DP×TP; ZeRO-1 unrolled).
+@example(case=(vit(), Plan({"data": 2, "model": 2}, microbatches=2), 4))
+@example(case=(vit(), Plan({"data": 2}, zero=1, microbatches=2, layers="unrolled"), 8))
 def test_data_model_meshes_match_reference(case: Case) -> None:
     check_equal_to_reference(case)
 
@@ -211,6 +214,12 @@ SP_EXAMPLES = {
         vit(image=16, heads=4, pool="tok"),
         Plan({"data": 2, "model": 2}, sp="megatron", overlap=True),
         2,
+    ),
+    # A ring over seq, 2 micro-batches accumulated per data shard.
+    "ring accumulated": (
+        vit(pool="gap"),
+        Plan({"data": 2, "seq": 2}, sp="ring", microbatches=2),
+        4,
     ),
     # A ring over seq, its layers synced over data × seq one layer behind.
     "ring overlap": (vit(pool="gap"), Plan({"data": 2, "seq": 2}, sp="ring", overlap=True), 2),

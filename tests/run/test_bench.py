@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import jax
 import numpy as np
@@ -119,7 +120,19 @@ def test_chip_bench_reports_both_models_per_batch_and_policy(capsys) -> None:
     ]
     for r in rows:
         assert r["error"] is None and r["images_per_s"] > 0 and r["temp_bytes"] > 0
-        assert r["mfu"] > 0 and r["peak_bytes"] >= r["temp_bytes"]
+        assert r["mfu"] > 0 and r["peak_bytes"] >= r["temp_bytes"] and r["microbatches"] == 1
+
+
+def test_chip_bench_accumulates_batches_over_the_micro_batch(capsys) -> None:
+    """``--micro-batch 2``: batch 4 runs as 2 micro-batches of 2 in both models, batch 2 whole;
+    the table says so (2×2)."""
+    flags = ["--image", "16", "--patch", "8", "--dim", "32", "--depth", "1", "--heads", "2",
+             "--mlp-dim", "64", "--classes", "5", "--steps", "1", "--warmup", "0"]  # fmt: skip
+    assert cli.main(["bench", "--chip", *flags, "--batches", "2,4", "--remats", "none",
+                     "--micro-batch", "2"]) == 0  # fmt: skip
+    table = capsys.readouterr().out
+    splits = [re.search(r" (\d+×\d+) ", line).group(1) for line in table.splitlines()[2:]]
+    assert splits == ["2×1"] * 2 + ["2×2"] * 2
 
 
 @pytest.mark.parametrize(
@@ -128,6 +141,8 @@ def test_chip_bench_reports_both_models_per_batch_and_policy(capsys) -> None:
         (["--remats", "some"], "--remats takes policies of none, dots, full"),
         (["--batches", "0"], "--batches takes positive integers"),
         (["--mesh", "data=2"], "--chip runs one device"),
+        (["--batches", "6", "--micro-batch", "4"], "batch 6 is not a multiple of --micro-batch 4"),
+        (["--micro-batch", "0"], "--micro-batch must be a positive integer"),
     ],
 )
 def test_chip_bench_refuses_bad_flags(flags, message, capsys) -> None:

@@ -138,6 +138,8 @@ class ViTExpectation(Expectation):
         plan = f"mesh {format_mesh(p.mesh)} sp={p.sp} zero={p.zero} remat={p.remat}"
         if p.pp != "none":
             plan += f" pp={p.pp} microbatches={p.microbatches} virtual={p.virtual} (the last stage)"
+        elif p.microbatches > 1:
+            plan += f" microbatches={p.microbatches} (accumulated)"
         return f"{model}, batch {self.batch}, {c.dtype}; {plan}"
 
     def describe(self) -> dict[str, Any]:
@@ -190,7 +192,8 @@ def expected(
     """
     g = geometry(cfg, plan, batch, platform, split, tiles)
     if plan.pp == "none":
-        body = [*_layer_terms(g), *_pool_terms(g), *pc.fsdp_terms(g), *pc.zero_terms(g)]
+        per_micro = _per_micro_batch([*_layer_terms(g), *_pool_terms(g)], plan.microbatches)
+        body = [*per_micro, *pc.fsdp_terms(g), *pc.zero_terms(g)]
     else:
         last = plan.size("stage") - 1
         body = _pipeline_terms(g, last if stage is None else stage)
@@ -202,6 +205,13 @@ def expected(
     ]
     sizes = tuple((a, g.sizes[a]) for a in g.mesh_axes)
     return ViTExpectation(tuple(terms), cfg, plan, batch, sizes)
+
+
+def _per_micro_batch(terms: list[Term], micro: int) -> list[Term]:
+    """The activation terms under gradient accumulation (``microbatches`` without a
+    pipeline): each runs once per micro-batch on 1/M of the batch, so M times as many ops
+    move the same bytes (every one of them is linear in the batch)."""
+    return [dataclasses.replace(t, count=t.count * micro) for t in terms]
 
 
 def _layer_terms(g: Geometry) -> list[Term]:

@@ -413,20 +413,16 @@ class ShardedViT(sharded.ShardedModel):
             gather=False,  # one layer at a time, inside the layer loop
             zero=plan.zero or 3,  # no rule splits over data below ZeRO-1
             grad_sync=plan.grad_sync,
+            accumulate=plan.microbatches if plan.pp == "none" else 1,
         )
         if layer_sync_axes(cfg, plan, self.layout) is not None:  # synced layer by layer instead
             done = jax.tree.map(lambda _: (), self.sync_axes["blocks"], is_leaf=_is_axes)
             self.sync_axes = {**self.sync_axes, "blocks": done}
 
     def __repr__(self) -> str:
-        pp = (
-            ""
-            if self.plan.pp == "none"
-            else (
-                f", pp={self.plan.pp!r}, microbatches={self.plan.microbatches}, "
-                f"virtual={self.plan.virtual}"
-            )
-        )
+        pp = "" if self.plan.microbatches == 1 else f", microbatches={self.plan.microbatches}"
+        if self.plan.pp != "none":
+            pp = f", pp={self.plan.pp!r}{pp}, virtual={self.plan.virtual}"
         kernel = "" if self.plan.kernel == "auto" else f", kernel={self.plan.kernel}"
         kernel += ", overlap" if self.plan.overlap else ""
         kernel += ", grad_sync=bfloat16" if self.plan.grad_sync == "bfloat16" else ""

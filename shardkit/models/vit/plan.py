@@ -97,13 +97,13 @@ def _model_checks(cfg: vit_ref.ViTConfig, plan: Plan) -> None:
 
 
 def check_batch(plan: Plan, batch: int) -> None:
-    """PlanError (one sentence) unless the global ``batch`` splits over data and, under a
-    pipeline, the data-local batch into the microbatches."""
+    """PlanError (one sentence) unless the global ``batch`` splits over data and the
+    data-local batch into the microbatches (a pipeline's, or gradient accumulation's)."""
     data, micro = plan.size("data"), plan.microbatches
     if batch % data:
         raise PlanError(f"batch={batch} is not divisible by data={data}.")
     local = batch // data
-    if plan.pp != "none" and local % micro:
+    if local % micro:
         raise PlanError(
             f"The data-local batch ({batch}//{data}={local}) is not divisible by "
             f"--microbatches {micro}."

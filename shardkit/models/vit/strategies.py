@@ -68,7 +68,9 @@ def sharded_cases(
 
     ``zero`` (the ZeRO level, 3 = FSDP; any level needs data > 1) / ``remat``: None draws
     them; the layer loop (scan or unrolled) is always drawn, and ``overlap`` wherever the
-    plan allows it (Megatron-SP, FSDP or DP's sync; no remat). For ``usp`` the Ulysses degree
+    plan allows it (Megatron-SP, FSDP or DP's sync; no remat), and 1 or 2 micro-batches of
+    gradient accumulation wherever the plan allows them (ZeRO 0 or 1, no layer-by-layer
+    sync). For ``usp`` the Ulysses degree
     u is drawn among the divisors of the seq size (heads per model shard then divide by u)
     and given explicitly or left to the automatic choice, so true hybrids (1 < u < seq)
     occur, not only the pure ends.
@@ -99,15 +101,18 @@ def sharded_cases(
             ulysses = 1
     heads_multiple = mesh["model"] * ulysses
     cfg = draw(vit_configs(heads_multiple, mesh["model"], mesh["data"] if zero else 1))
-    batch = mesh["data"] * draw(st.integers(1, 2))
     layers = draw(st.sampled_from(LAYER_LOOPS))
     # --overlap: Megatron-SP's collective matmuls, FSDP's gathers one layer ahead, DP's sync
     # (over data and the token axes) one layer behind; no remat.
     syncs = zero == 0 and (mesh["data"] > 1 or mesh["seq"] > 1)
     can_overlap = (sp == "megatron" or zero == 3 or syncs) and use_remat == "none"
     overlap = can_overlap and draw(st.booleans())
+    # Gradient accumulation wherever no param collective would run once per micro-batch.
+    can_accumulate = zero <= 1 and not (overlap and syncs)
+    micro = draw(st.sampled_from((1, 2))) if can_accumulate else 1
+    batch = mesh["data"] * micro * draw(st.integers(1, 2))
     plan = Plan(mesh, sp=sp, ulysses=explicit_ulysses, zero=zero, remat=use_remat, layers=layers,
-                overlap=overlap)  # fmt: skip
+                overlap=overlap, microbatches=micro)  # fmt: skip
     return cfg, plan, batch
 
 
