@@ -241,7 +241,8 @@ class Plan:
         gradient all-reduce (over data and the token axes) in the next layer's backward
         step, as a ring reduce-scatter and an all-gather (``parallel.data.
         sync_in_backward``; the same bytes). Needs sp="megatron", FSDP, or a data or seq
-        axis to sync over; not yet with remat or a pipeline.
+        axis to sync over; not yet with remat or a pipeline. ``"bidirectional"``: the same,
+        with Megatron-SP's rings running both ways, half a token block each way.
     """
 
     mesh: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(AXES, 1))
@@ -255,7 +256,7 @@ class Plan:
     microbatches: int = 1
     virtual: int = 1
     kernel: str = "auto"
-    overlap: bool = False
+    overlap: bool | str = False
     grad_sync: str = "float32"
 
     def __post_init__(self) -> None:
@@ -332,12 +333,17 @@ class Plan:
              "use --sp megatron, ring, ulysses or usp"),
             (sp == "megatron" and model == 1,
              "sp='megatron' splits tokens over the model axis, but the mesh has model=1"),
-            (self.overlap and sp != "megatron" and not self.fsdp
+            (bool(self.overlap) and sp != "megatron" and not self.fsdp
              and (self.zero in (1, 2) or data == seq == 1),
              "--overlap hides Megatron-SP's collective matmuls, FSDP's gathers and "
              "scatters, and DP's gradient all-reduces (ZeRO-1/2's reduce-scatters and plain "
              "TP's all-reduces are not built yet); this plan has none of the three"),
-            (self.overlap and (self.recompute or not none),
+            (self.overlap not in (False, True, "bidirectional"),
+             f"--overlap takes no value or 'bidirectional', got {self.overlap!r}"),
+            (self.overlap == "bidirectional" and sp != "megatron",
+             "--overlap bidirectional runs Megatron-SP's collective matmuls both ways; this "
+             f"plan has sp={sp!r}"),
+            (bool(self.overlap) and (self.recompute or not none),
              "--overlap is not built yet with --remat or --pp (a recomputed or scheduled "
              "collective matmul re-runs its ring, which the cost model does not state)"),
             (sp in ("ring", "ulysses", "usp") and seq == 1,
@@ -354,7 +360,7 @@ class Plan:
              f"--microbatches {self.microbatches} without --pp accumulates gradients over the "
              f"micro-batches, and --zero {self.zero} would gather or scatter the params once per "
              "micro-batch (not built); use --zero 1 or no ZeRO"),
-            (none and self.microbatches > 1 and self.overlap and self.zero == 0
+            (none and self.microbatches > 1 and bool(self.overlap) and self.zero == 0
              and data * seq > 1,
              f"--microbatches {self.microbatches} without --pp accumulates gradients, and "
              "--overlap's layer-by-layer gradient sync would run once per micro-batch (not "

@@ -69,6 +69,11 @@ def assert_one_sentence(err: Exception) -> None:
             "--zero 3 would gather or scatter the params once per micro-batch",
         ),
         (
+            lambda: Plan({"data": 2, "model": 2}, overlap="bidirectional"),
+            "--overlap bidirectional runs Megatron-SP's collective matmuls both ways",
+        ),
+        (lambda: Plan({"data": 2}, overlap="both"), "--overlap takes no value or 'bidirectional'"),
+        (
             lambda: Plan({"data": 2}, overlap=True, microbatches=2),
             "--overlap's layer-by-layer gradient sync would run once per micro-batch",
         ),

@@ -95,12 +95,14 @@ def add_plan_opts(p: argparse.ArgumentParser) -> None:
                    "interpreted off a TPU) or auto (pallas on a TPU; the default)")  # fmt: skip
     g.add_argument("--pp", choices=PP_MODES, help="pipeline schedule over the stage axis "
                    "(needs stage > 1 in --mesh)")  # fmt: skip
-    g.add_argument("--microbatches", type=int, metavar="M", help="per data shard (--pp; 1)")
+    g.add_argument("--microbatches", type=int, metavar="M", help="per data shard (1): the "
+                   "pipeline's, or without --pp gradient accumulation")  # fmt: skip
     g.add_argument("--virtual", type=int, metavar="V",
                    help="chunks per stage (interleaved; 1; zbv: 2)")  # fmt: skip
-    g.add_argument("--overlap", action="store_true", help="hide communication under the "
-                   "matmuls: --sp megatron as collective matmuls; --fsdp gathers each layer one "
-                   "layer ahead and reduce-scatters it one behind; DP syncs each layer's "
+    g.add_argument("--overlap", nargs="?", const=True, default=False, choices=["bidirectional"],
+                   help="hide communication under the matmuls: --sp megatron as collective "
+                   "matmuls (rings one way, or both: bidirectional); --fsdp gathers each layer "
+                   "one layer ahead and reduce-scatters it one behind; DP syncs each layer's "
                    "gradients under the next layer's backward")  # fmt: skip
     g.add_argument(
         "--grad-sync",
@@ -219,9 +221,12 @@ def with_matrix_options(cases: list[Any], args: argparse.Namespace) -> list[Any]
     out = []
     for case in cases:
         plan, name = dataclasses.replace(case.plan, **given), case.name
-        if getattr(args, "overlap", False):
+        overlap = getattr(args, "overlap", False)
+        if overlap:
+            form = overlap if plan.sp == "megatron" else True  # both ways: Megatron-SP's rings
             try:
-                plan, name = dataclasses.replace(plan, overlap=True), f"{name} +overlap"
+                plan = dataclasses.replace(plan, overlap=form)
+                name = f"{name} +overlap" + (" both ways" if form == "bidirectional" else "")
             except PlanError:
                 name = f"{name} ({_no_overlap(plan)})"
         out.append(dataclasses.replace(case, name=name, plan=plan))

@@ -18,8 +18,14 @@ Backward (``jax.custom_vjp``), again collective matmuls in the other direction:
   the residual (as the transpose of a plain ``all_gather`` keeps it);
   ``matmul_rs``: da = ag_matmul(dy, wᵀ), whose ring also gathers dy for dw = aᵀ · dy_gathered.
 Bytes per device, forward and backward alike: (n − 1)/n · V, exactly the plain all-gather's
-or reduce-scatter's, in n − 1 permutes instead of one collective. Not built yet: the
-bidirectional form (half the steps, both link directions).
+or reduce-scatter's, in n − 1 permutes instead of one collective.
+
+``bidirectional=True`` uses both directions of every ring link: each block is cut in two
+halves (its rows must be even), the first halves travel i → i + 1 and the second i → i − 1,
+each ring n − 1 steps of half a block. The same bytes in 2(n − 1) permutes, every step's two
+half-block hops on two different links at once (a TPU's ICI links are full duplex, so a step
+takes half the time of a one-way whole-block hop; on a ring of 2 both hops share the one
+neighbour).
 
 Every function runs inside a ``shard_map`` body; ``axis`` is one mesh axis name; x, a and w are
 varying over it (split, or partial); M is the leading dim.
@@ -43,64 +49,87 @@ from shardkit.parallel.collectives import (
 from shardkit.parallel.vma import Axis, shard_map_primitive, vary, varying_axes
 
 
-def _rows(x: jax.Array, k: jax.Array, rows: int) -> jax.Array:
-    """Rows [k·rows, (k + 1)·rows) of x."""
-    return jax.lax.dynamic_slice_in_dim(x, k * rows, rows, 0)
+def _halves(rows: int, what: str, bidirectional: bool) -> list[tuple[int, int]]:
+    """(first row, direction) of each part of a block of ``rows`` that travels on its own: the
+    whole block along +1, or under ``bidirectional`` its first half along +1 and its second
+    along −1."""
+    if not bidirectional:
+        return [(0, 1)]
+    if rows % 2:
+        raise ValueError(f"{what}, bidirectional: a block of {rows} rows does not split in halves.")
+    return [(0, 1), (rows // 2, -1)]
 
 
-def _gather_matmul(x: jax.Array, w: jax.Array, axis: str) -> tuple[jax.Array, jax.Array]:
-    """(x_gathered · w, x_gathered): each arriving block multiplied and put in place, the next
-    hop issued first: after s hops of +1 the block in hand started on device i − s."""
+def _gather_matmul(
+    x: jax.Array, w: jax.Array, axis: str, bidirectional: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """(x_gathered · w, x_gathered): each arriving part multiplied and put in place, the next
+    hop issued first: after s hops in direction d the part in hand started on device i − d·s."""
     n, m, i = axis_size(axis), x.shape[0], axis_index(axis)
-    block = vary(x, axis)
+    parts = _halves(m, "ag_matmul", bidirectional)
+    size = m // len(parts)
+    held = [jax.lax.slice_in_dim(vary(x, axis), start, start + size) for start, _ in parts]
     y = jnp.zeros((n * m, w.shape[-1]), jnp.result_type(x, w))
     gathered = jnp.zeros((n * m, *x.shape[1:]), x.dtype)
     for s in range(n):
-        arriving = ring_shift(block, axis, 1) if s < n - 1 else None
-        product = block @ w
-        if arriving is not None:
-            # The next hop leaves once this product is done: one matmul under each permute
+        hops = zip(held, parts, strict=True)
+        arriving = [ring_shift(h, axis, d) for h, (_, d) in hops] if s < n - 1 else []
+        products = [h @ w for h in held]
+        if arriving:
+            # The next hops leave once these products are done: matmuls under each permute
             # (left free, the scheduler ran the hops back to back and the matmuls after).
-            arriving, product = jax.lax.optimization_barrier((arriving, product))
-        y = jax.lax.dynamic_update_slice_in_dim(y, product, (i - s) % n * m, 0)
-        gathered = jax.lax.dynamic_update_slice_in_dim(gathered, block, (i - s) % n * m, 0)
-        block = arriving if arriving is not None else block
+            arriving, products = jax.lax.optimization_barrier((arriving, products))
+        for h, product, (start, d) in zip(held, products, parts, strict=True):
+            at = (i - d * s) % n * m + start
+            y = jax.lax.dynamic_update_slice_in_dim(y, product, at, 0)
+            gathered = jax.lax.dynamic_update_slice_in_dim(gathered, h, at, 0)
+        held = arriving or held
     return y, gathered
 
 
-def _matmul_scatter(a: jax.Array, w: jax.Array, axis: str) -> jax.Array:
-    """Σ_X (a · w), each device keeping its row block: the partial sum of block k starts on
-    device k + 1 and gains each device's product as it travels to device k."""
+def _matmul_scatter(
+    a: jax.Array, w: jax.Array, axis: str, bidirectional: bool = False
+) -> jax.Array:
+    """Σ_X (a · w), each device keeping its row block: the partial sum of block k's part that
+    travels in direction d starts on device k + d and gains each device's product on its way
+    to device k."""
     n, i = axis_size(axis), axis_index(axis)
     if a.shape[0] % n:
         raise ValueError(f"matmul_rs: {a.shape[0]} rows do not split over {axis}={n}.")
     rows = a.shape[0] // n
+    parts = _halves(rows, "matmul_rs", bidirectional)
+    size = rows // len(parts)
     a = vary(a, axis)
-    acc = _rows(a, (i - 1) % n, rows) @ w
+    part = lambda k, start: jax.lax.dynamic_slice_in_dim(a, k * rows + start, size, 0)  # noqa: E731
+    accs = [part((i - d) % n, start) @ w for start, d in parts]
     for s in range(1, n):
-        # This step's rows are released with the sum that travels beside their product (left
-        # free, the scheduler ran every product first and the hops bare), and the product is
-        # a fusion of its own (fused into the add, it would wait for the hop).
-        rows_s, acc = jax.lax.optimization_barrier((_rows(a, (i - s - 1) % n, rows), acc))
-        product = jax.lax.optimization_barrier(rows_s @ w)
-        acc = ring_shift(acc, axis, 1) + product
-    return acc
+        # This step's rows are released with the sums that travel beside their products (left
+        # free, the scheduler ran every product first and the hops bare), and the products
+        # are fusions of their own (fused into the add, they would wait for the hop).
+        now = [part((i - d * (s + 1)) % n, start) for start, d in parts]
+        now, accs = jax.lax.optimization_barrier((now, accs))
+        products = jax.lax.optimization_barrier([r @ w for r in now])
+        hops = zip(accs, products, parts, strict=True)
+        accs = [ring_shift(acc, axis, d) + p for acc, p, (_, d) in hops]
+    return jnp.concatenate(accs, axis=0) if len(accs) > 1 else accs[0]
 
 
 @shard_map_primitive
-def ag_matmul(x: jax.Array, w: jax.Array, axis: str) -> jax.Array:
+def ag_matmul(x: jax.Array, w: jax.Array, axis: str, bidirectional: bool = False) -> jax.Array:
     """``all_gather(x, axis, tiled) @ w`` with the gather hidden under the matmul:
     ``x[M_X, K] · w[K, F] -> y[M, F]``. Cost: (n − 1)/n · |x_gathered| per device forward
-    (n − 1 permutes), the same backward (dx's ring reduce-scatter)."""
-    return _ag_matmul(x, w, axis, _types(x, w))
+    (n − 1 permutes; ``bidirectional``: 2(n − 1) of half a block, M_X even), the same backward
+    (dx's reduce-scatter in the same form)."""
+    return _ag_matmul(x, w, axis, _types(x, w), bidirectional)
 
 
 @shard_map_primitive
-def matmul_rs(a: jax.Array, w: jax.Array, axis: str) -> jax.Array:
+def matmul_rs(a: jax.Array, w: jax.Array, axis: str, bidirectional: bool = False) -> jax.Array:
     """``reduce_scatter(a @ w, axis, tiled)`` with the scatter hidden under the matmul:
-    ``a[M, K] · w[K, F] {U_X} -> y[M_X, F]``. Cost: (n − 1)/n · |a · w| per device forward,
-    the same backward (da's ring all-gather of dy)."""
-    return _matmul_rs(a, w, axis, _types(a, w))
+    ``a[M, K] · w[K, F] {U_X} -> y[M_X, F]``. Cost: (n − 1)/n · |a · w| per device forward
+    (n − 1 permutes; ``bidirectional``: 2(n − 1) of half a block, M_X even), the same backward
+    (da's all-gather of dy in the same form)."""
+    return _matmul_rs(a, w, axis, _types(a, w), bidirectional)
 
 
 Types = tuple[tuple[str, ...], tuple[str, ...]]
@@ -118,34 +147,34 @@ def _typed(ct: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return jax.lax.psum(ct, extra) if extra else ct
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _ag_matmul(x: jax.Array, w: jax.Array, axis: str, types: Types) -> jax.Array:
-    return _gather_matmul(x, w, axis)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _ag_matmul(x: jax.Array, w: jax.Array, axis: str, types: Types, bidi: bool) -> jax.Array:
+    return _gather_matmul(x, w, axis, bidi)[0]
 
 
-def _ag_matmul_fwd(x: jax.Array, w: jax.Array, axis: str, types: Types) -> tuple[jax.Array, tuple]:
-    y, gathered = _gather_matmul(x, w, axis)
+def _ag_matmul_fwd(x: jax.Array, w: jax.Array, axis: str, types: Types, bidi: bool) -> tuple:
+    y, gathered = _gather_matmul(x, w, axis, bidi)
     return y, (gathered, w)
 
 
-def _ag_matmul_bwd(axis: str, types: Types, res: tuple, dy: jax.Array) -> tuple[jax.Array, ...]:
+def _ag_matmul_bwd(axis: str, types: Types, bidi: bool, res: tuple, dy: jax.Array) -> tuple:
     gathered, w = res
-    dx, dw = _matmul_scatter(dy, w.T, axis), gathered.T @ dy
+    dx, dw = _matmul_scatter(dy, w.T, axis, bidi), gathered.T @ dy
     return _typed(dx, types[0]), _typed(dw, types[1])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _matmul_rs(a: jax.Array, w: jax.Array, axis: str, types: Types) -> jax.Array:
-    return _matmul_scatter(a, w, axis)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _matmul_rs(a: jax.Array, w: jax.Array, axis: str, types: Types, bidi: bool) -> jax.Array:
+    return _matmul_scatter(a, w, axis, bidi)
 
 
-def _matmul_rs_fwd(a: jax.Array, w: jax.Array, axis: str, types: Types) -> tuple[jax.Array, tuple]:
-    return _matmul_scatter(a, w, axis), (a, w)
+def _matmul_rs_fwd(a: jax.Array, w: jax.Array, axis: str, types: Types, bidi: bool) -> tuple:
+    return _matmul_scatter(a, w, axis, bidi), (a, w)
 
 
-def _matmul_rs_bwd(axis: str, types: Types, res: tuple, dy: jax.Array) -> tuple[jax.Array, ...]:
+def _matmul_rs_bwd(axis: str, types: Types, bidi: bool, res: tuple, dy: jax.Array) -> tuple:
     a, w = res
-    da, dy_gathered = _gather_matmul(dy, w.T, axis)
+    da, dy_gathered = _gather_matmul(dy, w.T, axis, bidi)
     return _typed(da, types[0]), _typed(a.T @ dy_gathered, types[1])
 
 

@@ -23,8 +23,10 @@ a param dict without ``"bias"`` adds nothing.
 Overlap (``overlap=True``, Megatron-SP only): the entry's all-gather and the region's column
 matmuls become one ``overlap.ag_matmul`` (the column kernels concatenated), the row matmul and
 the exit's reduce-scatter one ``overlap.matmul_rs``: ring steps whose permutes a TPU schedules
-under the matmuls. The tokens travel in the compute dtype (the plain entry gathers the float32
-LayerNorm output); the bytes are otherwise the plain region's.
+under the matmuls; ``overlap="bidirectional"``: rings of half blocks both ways (each device's
+token rows, local batch × local tokens, must be even). The tokens travel in the compute dtype
+(the plain entry gathers the float32 LayerNorm output); the bytes are otherwise the plain
+region's.
 
 Decoder blocks: ``attention_tp`` takes a ``rope`` hook (``lm.rope``: rotary embeddings at the
 tokens' GLOBAL positions) and ``kv_repeat`` (KV heads fewer than the TP degree: K / V weights
@@ -72,18 +74,23 @@ def _bias(p: Params, dtype: jnp.dtype | None) -> Array | None:
     return _cast(p["bias"], dtype) if "bias" in p else None
 
 
-def _overlapped(axis: str | None, token_dim: int | None, overlap: bool) -> bool:
+OVERLAP = (False, True, "bidirectional")  # the values ``overlap`` takes
+
+
+def _overlapped(axis: str | None, token_dim: int | None, overlap: bool | str) -> bool:
     """Whether this region runs as collective matmuls (``overlap`` needs Megatron-SP)."""
+    if overlap not in OVERLAP:
+        raise ValueError(f"overlap must be one of {OVERLAP}, got {overlap!r}.")
     if overlap and token_dim != 1:
         raise ValueError(
-            "overlap=True needs a sequence-parallel region (token_dim=1): only "
+            f"overlap={overlap!r} needs a sequence-parallel region (token_dim=1): only "
             "Megatron-SP's all-gather and reduce-scatter run as collective matmuls."
         )
-    return overlap and axis is not None
+    return bool(overlap) and axis is not None
 
 
 def _columns_gathered(
-    x: Array, ps: list[Params], axis: str, dtype: jnp.dtype | None
+    x: Array, ps: list[Params], axis: str, dtype: jnp.dtype | None, overlap: bool | str = True
 ) -> list[Array]:
     """``enter_tp(x, token_dim=1)`` and one column-parallel matmul per param dict, as ONE
     ``ag_matmul``: x[B, T_X, D] · [W_1 | W_2 | ...][D, F] -> [y_1, y_2, ...] each [B, T, F_i]
@@ -92,7 +99,7 @@ def _columns_gathered(
     kernels = [_cast(p["kernel"], dtype) for p in ps]
     w = jnp.concatenate([k.reshape(d, -1) for k in kernels], axis=1)
     rows = jnp.swapaxes(_cast(x, dtype), 0, 1).reshape(t * b, d)  # token-major rows
-    y = ov.ag_matmul(rows, w, axis)  # [n·t·b, F]: device-major tokens, as the all-gather
+    y = ov.ag_matmul(rows, w, axis, overlap == "bidirectional")  # [n·t·b, F]: device-major
     y = jnp.swapaxes(y.reshape(-1, b, w.shape[1]), 0, 1)
     splits = [int(k.size // d) for k in kernels]
     outs = jnp.split(y, [sum(splits[:i]) for i in range(1, len(splits))], axis=2)
@@ -102,14 +109,16 @@ def _columns_gathered(
     ]
 
 
-def _row_scattered(h: Array, p: Params, axis: str, dtype: jnp.dtype | None) -> Array:
+def _row_scattered(
+    h: Array, p: Params, axis: str, dtype: jnp.dtype | None, overlap: bool | str = True
+) -> Array:
     """``dense_row`` + ``exit_tp(token_dim=1)`` as ONE ``matmul_rs``: h[B, T, ...F_X] ·
     W[F_X, D] {U_X} -> y[B, T_X, D] + b[D]."""
     b, t = h.shape[:2]
     kernel = _cast(p["kernel"], dtype)
     w = kernel.reshape(-1, kernel.shape[-1])
     rows = jnp.swapaxes(_cast(h, dtype), 0, 1).reshape(t * b, w.shape[0])
-    y = ov.matmul_rs(rows, w, axis)  # [t/n · b, D]: this device's tokens
+    y = ov.matmul_rs(rows, w, axis, overlap == "bidirectional")  # [t/n · b, D]: own tokens
     return add_bias(jnp.swapaxes(y.reshape(-1, b, w.shape[1]), 0, 1), _bias(p, dtype))
 
 
@@ -178,7 +187,7 @@ def attention_tp(
     token_dim: int | None = None,
     rope: Rope | None = None,
     kv_repeat: bool = False,
-    overlap: bool = False,
+    overlap: bool | str = False,
 ) -> Float[Array, "b t d"]:
     """Self-attention with heads split over ``axis``.
 
@@ -208,7 +217,7 @@ def attention_tp(
         (h_kv < n, n a multiple of h_kv): device i projects only KV head i·h_kv/n, the one its
         h/n query heads use (no K / V activation is repeated or sent). Their gradients are
         partial per device and summed over ``axis`` like any replicated weight's.
-      overlap: Megatron-SP's entry and exit as collective matmuls (the module docstring).
+      overlap: Megatron-SP's entry and exit as collective matmuls (module docstring).
 
     Returns:
       [b, t, d] (or [b, t/n, d] with ``token_dim``), invariant over ``axis``.
@@ -218,7 +227,7 @@ def attention_tp(
         kv = {name: _kv_head_of_device(w, axis) for name, w in kv.items()}
     projections = [p["query"], kv["key"], kv["value"]]
     if _overlapped(axis, token_dim, overlap):
-        q, k, v = _columns_gathered(x, projections, axis, dtype)  # type: ignore[arg-type]
+        q, k, v = _columns_gathered(x, projections, axis, dtype, overlap)  # type: ignore[arg-type]
     else:
         x = enter_tp(x, axis, token_dim=token_dim)
         q, k, v = (dense_column(x, w, "btd,dhk->bthk", dtype) for w in projections)
@@ -226,7 +235,7 @@ def attention_tp(
         q, k = rope(q, k)
     o = core(q, k, v)
     if _overlapped(axis, token_dim, overlap):
-        return _row_scattered(o, p["out"], axis, dtype)  # type: ignore[arg-type]
+        return _row_scattered(o, p["out"], axis, dtype, overlap)  # type: ignore[arg-type]
     return dense_row(o, p["out"], "bthk,hkd->btd", axis, dtype, token_dim=token_dim)
 
 
@@ -257,7 +266,7 @@ def mlp_tp(
     dtype: jnp.dtype | None = None,
     *,
     token_dim: int | None = None,
-    overlap: bool = False,
+    overlap: bool | str = False,
 ) -> Float[Array, "b t d"]:
     """Megatron MLP: ``x[B, T, D] · W1[D, F_X] -> act -> · W2[F_X, D] -> {U_X}`` -> reduced.
 
@@ -273,14 +282,14 @@ def mlp_tp(
       activation: elementwise, e.g. ``jax.nn.gelu`` (applied to the local hidden block).
       dtype: compute dtype of the matmuls (None: the params' dtype).
       token_dim: 1 for Megatron-SP.
-      overlap: Megatron-SP's entry and exit as collective matmuls (the module docstring).
+      overlap: Megatron-SP's entry and exit as collective matmuls (module docstring).
 
     Returns:
       [b, t, d] (or [b, t/n, d] with ``token_dim``), invariant over ``axis``.
     """
     if _overlapped(axis, token_dim, overlap):
-        (h,) = _columns_gathered(x, [p["fc1"]], axis, dtype)  # type: ignore[arg-type]
-        return _row_scattered(activation(h), p["fc2"], axis, dtype)  # type: ignore[arg-type]
+        (h,) = _columns_gathered(x, [p["fc1"]], axis, dtype, overlap)  # type: ignore[arg-type]
+        return _row_scattered(activation(h), p["fc2"], axis, dtype, overlap)  # type: ignore[arg-type]
     x = enter_tp(x, axis, token_dim=token_dim)
     h = activation(dense_column(x, p["fc1"], "btd,df->btf", dtype))
     return dense_row(h, p["fc2"], "btf,fd->btd", axis, dtype, token_dim=token_dim)

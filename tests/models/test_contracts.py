@@ -89,6 +89,17 @@ COMPOSITIONS = {
     "Megatron-SP unrolled": (CFG, Plan({"data": 2, "model": 4}, sp="megatron", layers="unrolled")),
     # its regions as collective matmuls: rings of permutes in place of the gathers and scatters
     "Megatron-SP overlap": (CFG, Plan({"data": 2, "model": 4}, sp="megatron", overlap=True)),
+    # ... both ways: rings of half blocks along +1 and −1, twice the permutes, the same bytes
+    "Megatron-SP overlap both ways": (
+        CFG,
+        Plan({"data": 2, "model": 4}, sp="megatron", overlap="bidirectional"),
+    ),
+    # gradient accumulation: the activation collectives once per micro-batch (4 × the ops,
+    # the same bytes), the gradient sync once
+    "DP×TP×ring 4 micro-batches": (
+        CFG,
+        Plan({"data": 2, "seq": 2, "model": 2}, sp="ring", microbatches=4),
+    ),
     # FSDP's layers gathered one layer ahead: the same all-gathers, one before the loop; the
     # gradients' reduce-scatters as rings of permutes, one layer behind
     "FSDP×TP overlap": (CFG, Plan({"data": 4, "model": 2}, fsdp=True, overlap=True)),

@@ -208,6 +208,12 @@ SP_EXAMPLES = {
         Plan({"data": 2, "model": 4}, sp="megatron", overlap=True),
         2,
     ),
+    # ... as rings both ways (half a token block each way: local batch 2 × 5 tokens).
+    "megatron overlap both ways": (
+        vit(image=16, heads=4, pool="tok"),
+        Plan({"data": 2, "model": 4}, sp="megatron", overlap="bidirectional"),
+        4,
+    ),
     # ... with DP: each layer's gradients synced over data (and model, for the LayerNorms,
     # whose gradients are partial sums over the token shards) under the next one's backward.
     "megatron overlap dp": (
@@ -240,6 +246,7 @@ SP_EXAMPLES = {
 @example(case=SP_EXAMPLES["usp"])
 @example(case=SP_EXAMPLES["megatron"])
 @example(case=SP_EXAMPLES["megatron overlap"])
+@example(case=SP_EXAMPLES["megatron overlap both ways"])
 @example(case=SP_EXAMPLES["megatron overlap dp"])
 @example(case=SP_EXAMPLES["ring overlap"])
 @example(case=SP_EXAMPLES["megatron ring"])
@@ -469,6 +476,11 @@ PLAN_ERRORS = [
         {},
         Plan({"stage": 2}, pp="interleaved", microbatches=3),
         r"the microbatches \(M=3\) divisible by the stages \(S=2\)",
+    ),
+    (
+        dict(batch=3),
+        Plan({"seq": 2, "model": 2}, sp="megatron", overlap="bidirectional"),
+        r"--overlap bidirectional halves each device's 3 token rows \(local batch × 1 tokens\)",
     ),
     ({}, Plan({"seq": 4}, sp="ulysses"), r"heads per model shard \(6//1=6\) divisible by seq=4"),
     ({}, Plan({"seq": 2, "model": 2}, sp="ulysses"), r"\(6//2=3\) divisible by seq=2"),

@@ -39,12 +39,18 @@ def plain_rs(a, w):
     return collectives.reduce_scatter(a @ w, "model", scatter_dim=0, tiled=True)
 
 
-def ours_ag(x, w):
-    return overlap.ag_matmul(x, w, "model")
+def ours_ag(x, w, bidirectional=False):
+    return overlap.ag_matmul(x, w, "model", bidirectional)
 
 
-def ours_rs(a, w):
-    return overlap.matmul_rs(a, w, "model")
+def ours_rs(a, w, bidirectional=False):
+    return overlap.matmul_rs(a, w, "model", bidirectional)
+
+
+def ours(bidirectional):
+    """(ag, rs): the collective matmuls, one-way rings or both ways."""
+    return (functools.partial(ours_ag, bidirectional=bidirectional),
+            functools.partial(ours_rs, bidirectional=bidirectional))  # fmt: skip
 
 
 def block(ag, rs):
@@ -65,58 +71,81 @@ def inputs(n, seed=0):
     return [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
 
 
+@pytest.mark.parametrize("bidirectional", [False, True])
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_equal_to_the_plain_collective_and_matmul(n):
+def test_equal_to_the_plain_collective_and_matmul(n, bidirectional):
     mesh = shardkit.make_mesh({"data": 2, "model": n})
     body = lambda f: lambda x, w1, w2: f(x[0], w1, w2)[None]  # noqa: E731
     with testing.parity_precision():
         want = step(mesh, body(block(plain_ag, plain_rs)))(*inputs(n))
-        got = step(mesh, body(block(ours_ag, ours_rs)))(*inputs(n))
+        got = step(mesh, body(block(*ours(bidirectional))))(*inputs(n))
     assert float(got[0]) == pytest.approx(float(want[0]), abs=1e-5)
     for g, w in zip(got[1], want[1], strict=True):
         assert float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w)) <= 1e-5
 
 
-def test_only_permutes_with_the_plain_bytes_on_cpu():
-    """Four rings of n − 1 permutes (AG and RS forward, RS and AG backward), the plain
-    program's bytes; the one all-reduce in both is the loss's sum over the devices."""
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_only_permutes_with_the_plain_bytes_on_cpu(bidirectional):
+    """Four rings of n − 1 permutes (AG and RS forward, RS and AG backward), each one-way or,
+    bidirectional, a ring of half blocks each way: the plain program's bytes; the one
+    all-reduce in both is the loss's sum over the devices."""
     n = 8
     mesh = shardkit.make_mesh({"data": 1, "model": n})
     body = lambda f: lambda x, w1, w2: f(x[0], w1, w2)[None]  # noqa: E731
     args = inputs(n)
     args[0] = args[0][:1]
     plain = ledger.measure(step(mesh, body(block(plain_ag, plain_rs))), *args, mesh=mesh)
-    ours = ledger.measure(step(mesh, body(block(ours_ag, ours_rs))), *args, mesh=mesh)
-    kinds = {kind for kind, _ in ours.summary()}
+    got = ledger.measure(step(mesh, body(block(*ours(bidirectional)))), *args, mesh=mesh)
+    kinds = {kind for kind, _ in got.summary()}
     assert kinds == {"collective-permute", "all-reduce"}
-    assert ours.summary()[("collective-permute", ("model",))].count == 4 * (n - 1)
+    rings = 8 if bidirectional else 4
+    assert got.summary()[("collective-permute", ("model",))].count == rings * (n - 1)
+    shifts = {"shift +1", "shift -1"} if bidirectional else {"shift +1"}
+    assert set(got.patterns()[("collective-permute", ("model",))]) == shifts
     loss = ("all-reduce", ("model",))
-    assert ours.summary()[loss].bytes_sent == plain.summary()[loss].bytes_sent
-    assert ours.total_bytes_sent() == plain.total_bytes_sent()
+    assert got.summary()[loss].bytes_sent == plain.summary()[loss].bytes_sent
+    assert got.total_bytes_sent() == plain.total_bytes_sent()
 
 
-def test_hidden_under_matmuls_on_the_tpu_compiler():
+def test_bidirectional_needs_blocks_that_halve():
+    mesh = shardkit.make_mesh({"data": 2, "model": 2})
+    x, w1, _ = inputs(2)
+    f = jax.shard_map(lambda x, w: ours_ag(x[0, :3], w, True)[None], mesh=mesh,
+                      in_specs=(P("data", "model"), P(None, "model")),
+                      out_specs=P("data", None, "model"))  # fmt: skip
+    with pytest.raises(ValueError, match="a block of 3 rows does not split in halves"):
+        f(x, w1)
+
+
+M_TPU, K_TPU, F_TPU = 8 * 256, 512, 8 * 256
+
+
+@functools.cache  # one compile per program: the persistent cache cannot reload a topology's
+def tpu_ledger(form: str) -> ledger.Ledger:
+    """The ledger of the block's gradient compiled for v5e:2x4 (``form``: plain, one-way or
+    both ways)."""
     devices = target.topology_devices("v5e:2x4").reshape(-1)
     mesh = shardkit.make_mesh({"model": 8}, devices=devices)
-    m, k, f = 8 * 256, 512, 8 * 256
     sharded = lambda shape, spec: jax.ShapeDtypeStruct(  # noqa: E731
         shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec)
     )
+    m, k, f = M_TPU, K_TPU, F_TPU
     args = (sharded((1, m, k), P(None, "model")), sharded((k, f), P(None, "model")),
             sharded((f, k), P("model")))  # fmt: skip
     specs = (P(None, "model"), P(None, "model"), P("model"))
+    body = block(plain_ag, plain_rs) if form == "plain" else block(*ours(form == "both ways"))
+    fn = jax.shard_map(lambda x, a, b: body(x[0], a, b)[None], mesh=mesh, in_specs=specs,
+                       out_specs=P(None, "model"))  # fmt: skip
+    grad = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) ** 2), (0, 1, 2)))
+    return ledger.ledger_of(grad.lower(*args).compile(), mesh)
 
-    def compiled(ag, rs):
-        body = block(ag, rs)
-        fn = jax.shard_map(lambda x, a, b: body(x[0], a, b)[None], mesh=mesh, in_specs=specs,
-                           out_specs=P(None, "model"))  # fmt: skip
-        grad = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) ** 2), (0, 1, 2)))
-        return ledger.ledger_of(grad.lower(*args).compile(), mesh)
 
-    ours, plain = compiled(ours_ag, ours_rs), compiled(plain_ag, plain_rs)
-    minimum = 4 * 7 / 8 * m * k * 2  # AG of x, RS of the product, and both again backward; bf16
-    assert ours.total_bytes_sent() == minimum
-    assert ours.overlapped_fraction >= 0.95  # every byte (71% before the barriers)
+@pytest.mark.parametrize("form", ["one-way", "both ways"])
+def test_hidden_under_matmuls_on_the_tpu_compiler(form):
+    got, plain = tpu_ledger(form), tpu_ledger("plain")
+    minimum = 4 * 7 / 8 * M_TPU * K_TPU * 2  # AG of x, RS of the product, both again backward
+    assert got.total_bytes_sent() == minimum  # bf16
+    assert got.overlapped_fraction >= 0.95  # every byte (71% one-way before the barriers)
     assert plain.overlapped_fraction < 0.05
 
 

@@ -382,16 +382,23 @@ def _overlapped_sp_terms(g: Geometry, n: int, layers: int, full: int) -> list[Te
     ``matmul_rs``, rings of n − 1 permutes (i -> i + 1) of one token block A'/n in the compute
     dtype; backward, each ring's transpose is again a ring (dx's partial sums, dy's blocks).
       forward  2·l regions × 2 rings × (n−1) × A'/n·a;   backward the same
+    ``"bidirectional"``: every ring is two, i -> i + 1 and i -> i − 1, of half a block each:
+    the same bytes in twice the permutes (on a ring of 2 both are the one shift).
     (the plain entry gathers the float32 LayerNorm output: with a bf16 compute dtype the
     overlapped forward entry and backward exit-transpose send half its bytes)."""
-    hop = functools.partial(term, g, "collective-permute", ["model"], step=1)
-    block = permute_bytes(full // n * g.act)
+    ways = (1, -1) if g.plan.overlap == "bidirectional" else (1,)
+    block = permute_bytes(full // n * g.act) / len(ways)
     rings = 4 * layers * (n - 1)
-    return [
-        *hop(rings, block, "token blocks round the model ring under each region's matmuls",
-             "forward"),
-        *hop(rings, block, "the rings' transposes: dx's partial sums, dy's blocks", "backward"),
-    ]  # fmt: skip
+    out = []
+    for way in ways:
+        hop = functools.partial(term, g, "collective-permute", ["model"], step=way)
+        out += [
+            *hop(rings, block, "token blocks round the model ring under each region's matmuls",
+                 "forward"),
+            *hop(rings, block, "the rings' transposes: dx's partial sums, dy's blocks",
+                 "backward"),
+        ]  # fmt: skip
+    return out
 
 
 def _ring_terms(g: Geometry) -> list[Term]:

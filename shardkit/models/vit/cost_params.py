@@ -227,7 +227,7 @@ def fsdp_terms(g: Geometry) -> list[Term]:
         *fsdp_group(g, "reduce-scatter", outer, 1, "their gradients", "backward"),
         *fsdp_group(g, "all-gather", blocks, layers, "block weights, per layer", "forward"),
         *fsdp_group(
-            g, "reduce-scatter", blocks, layers, "their gradients", "backward", g.plan.overlap
+            g, "reduce-scatter", blocks, layers, "their gradients", "backward", bool(g.plan.overlap)
         ),
         *fsdp_group(
             g, "all-gather", blocks * g.plan.recompute, layers, "block weights", "recompute"

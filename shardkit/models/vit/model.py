@@ -69,6 +69,7 @@ from shardkit.models.vit.plan import (
     TokenSplit,
     check_batch,
     check_plan,
+    check_rows,
     layer_order,
     param_axes,
     param_specs,
@@ -118,7 +119,7 @@ class Layout:
     padded_tokens: int
     split: TokenSplit
     kernel: str = "auto"
-    overlap: bool = False
+    overlap: bool | str = False
 
     @property
     def fsdp_tiles(self) -> Tiles | None:
@@ -229,7 +230,7 @@ def _block_local(
     model = "model" if lay.mesh.shape["model"] > 1 else None
     token_dim = 1 if lay.megatron else None
     core = _attention_core(cfg, lay, key_valid)
-    rings = lay.overlap and lay.megatron
+    rings = lay.overlap if lay.megatron else False
     h = ref.layer_norm(x, p["ln1"])
     a = attention_tp(h, p["attn"], model, core, dtype, token_dim=token_dim, overlap=rings)
     x = x + a.astype(x.dtype)
@@ -262,7 +263,7 @@ def _encoder_local(
         key_valid = jnp.arange(lay.padded_tokens) < lay.num_tokens
 
     zero_dims = sharded.gather_dims(state_specs(cfg, plan)["blocks"], "data", drop_leading=1)
-    prefetch = lay.overlap and plan.fsdp and gather  # each layer gathered one layer ahead
+    prefetch = bool(lay.overlap) and plan.fsdp and gather  # each layer gathered one layer ahead
 
     def gathered(p_layer: Params) -> Params:
         # prefetched: each gradient's reduce-scatter as permutes, under the next layer's backward
@@ -424,7 +425,8 @@ class ShardedViT(sharded.ShardedModel):
         if self.plan.pp != "none":
             pp = f", pp={self.plan.pp!r}{pp}, virtual={self.plan.virtual}"
         kernel = "" if self.plan.kernel == "auto" else f", kernel={self.plan.kernel}"
-        kernel += ", overlap" if self.plan.overlap else ""
+        overlap = self.plan.overlap
+        kernel += "" if not overlap else ", overlap" if overlap is True else f", overlap={overlap}"
         kernel += ", grad_sync=bfloat16" if self.plan.grad_sync == "bfloat16" else ""
         return (
             f"ShardedViT(mesh={format_mesh(self.plan.mesh)}, sp={self.plan.sp!r}, "
@@ -440,6 +442,7 @@ class ShardedViT(sharded.ShardedModel):
         """PlanError unless the global ``batch`` fits the plan (the rest was checked once, when
         the model was built)."""
         check_batch(self.plan, batch)
+        check_rows(self.cfg, self.plan, batch)
 
     def shard(self, params: Params) -> Params:
         """Places a copy of vit_ref's ``params`` on the mesh (blocks in ``layer_order``)."""

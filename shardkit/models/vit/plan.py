@@ -64,6 +64,20 @@ def check_plan(cfg: vit_ref.ViTConfig, plan: Plan, batch: int | None = None) -> 
     _model_checks(cfg, plan)
     if batch is not None:
         check_batch(plan, batch)
+        check_rows(cfg, plan, batch)
+
+
+def check_rows(cfg: vit_ref.ViTConfig, plan: Plan, batch: int) -> None:
+    """PlanError unless ``--overlap bidirectional`` can halve each device's token rows (local
+    batch, per micro-batch, × local tokens): its rings carry half a block each way."""
+    split = token_split(cfg, plan)
+    tokens = split.padded_tokens(cfg.num_tokens) // split.shards
+    rows = batch // plan.size("data") // plan.microbatches * tokens
+    if plan.overlap == "bidirectional" and rows % 2:
+        raise PlanError(
+            f"--overlap bidirectional halves each device's {rows} token rows (local batch × "
+            f"{tokens} tokens): give an even number."
+        )
 
 
 def _model_checks(cfg: vit_ref.ViTConfig, plan: Plan) -> None:
@@ -211,7 +225,7 @@ def token_split(cfg: vit_ref.ViTConfig, plan: Plan) -> TokenSplit:
 def syncs_by_layer(plan: Plan) -> bool:
     """``overlap`` with plain DP's gradient sync (no FSDP or ZeRO): the blocks' gradients are
     all-reduced layer by layer, under the next layer's backward (``data.sync_in_backward``)."""
-    return plan.overlap and plan.zero == 0
+    return bool(plan.overlap) and plan.zero == 0
 
 
 def tokens_split(plan: Plan) -> bool:

@@ -68,9 +68,9 @@ def sharded_cases(
 
     ``zero`` (the ZeRO level, 3 = FSDP; any level needs data > 1) / ``remat``: None draws
     them; the layer loop (scan or unrolled) is always drawn, and ``overlap`` wherever the
-    plan allows it (Megatron-SP, FSDP or DP's sync; no remat), and 1 or 2 micro-batches of
-    gradient accumulation wherever the plan allows them (ZeRO 0 or 1, no layer-by-layer
-    sync). For ``usp`` the Ulysses degree
+    plan allows it (Megatron-SP, its rings one way or both; FSDP or DP's sync; no remat),
+    and 1 or 2 micro-batches of gradient accumulation wherever the plan allows them (ZeRO 0
+    or 1, no layer-by-layer sync). For ``usp`` the Ulysses degree
     u is drawn among the divisors of the seq size (heads per model shard then divide by u)
     and given explicitly or left to the automatic choice, so true hybrids (1 < u < seq)
     occur, not only the pure ends.
@@ -106,11 +106,14 @@ def sharded_cases(
     # (over data and the token axes) one layer behind; no remat.
     syncs = zero == 0 and (mesh["data"] > 1 or mesh["seq"] > 1)
     can_overlap = (sp == "megatron" or zero == 3 or syncs) and use_remat == "none"
-    overlap = can_overlap and draw(st.booleans())
+    forms = (False, True, "bidirectional") if sp == "megatron" else (False, True)
+    overlap = draw(st.sampled_from(forms)) if can_overlap else False
     # Gradient accumulation wherever no param collective would run once per micro-batch.
     can_accumulate = zero <= 1 and not (overlap and syncs)
     micro = draw(st.sampled_from((1, 2))) if can_accumulate else 1
-    batch = mesh["data"] * micro * draw(st.integers(1, 2))
+    # Rings both ways halve each device's token rows: an even local batch makes them even.
+    even = 2 if overlap == "bidirectional" else 1
+    batch = mesh["data"] * micro * even * draw(st.integers(1, 2))
     plan = Plan(mesh, sp=sp, ulysses=explicit_ulysses, zero=zero, remat=use_remat, layers=layers,
                 overlap=overlap, microbatches=micro)  # fmt: skip
     return cfg, plan, batch
