@@ -97,10 +97,6 @@ Axes = tuple[str, ...]
 LossLocal = Callable[..., Array]
 
 
-def _is_names(x: Any) -> bool:
-    return isinstance(x, tuple)
-
-
 def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
 
@@ -289,6 +285,10 @@ class ShardedModel:
                         f"Batch input {i} dim {dim} (size {x.shape[dim]}) is not divisible by "
                         f"{split}."
                     )
+            local = x.shape[0] // math.prod(self.mesh.shape[a] for a in spec_axes(P(*spec[:1])))
+            if local % self.accumulate:
+                raise PlanError(f"Batch input {i}'s local batch ({local}) is not divisible by "
+                                f"accumulate={self.accumulate} micro-batches.")  # fmt: skip
 
     def shard(self, params: PyTree) -> PyTree:
         """Places a copy of ``params`` on the mesh, each leaf split per its spec (checked first).
