@@ -23,8 +23,10 @@ def rows(name, model):
 def main() -> None:
     big_vision = rows("tpu_v5e_bigvision.json", "big_vision (flax)")[1:]  # its batch 128
     big_vision += rows("tpu_v5e_bigvision_3.json", "big_vision (flax)")  # 32 and 256
-    whole = rows("tpu_v5e_chip_unrolled.json", "shardkit")
-    micro = whole[:1] + rows("tpu_v5e_chip_accum.json", "shardkit")  # batch 32 is one micro-batch
+    latest = rows("tpu_v5e_chip_unrolled_3.json", "shardkit")  # 32 and 256, re-measured
+    whole = latest + [r for r in rows("tpu_v5e_chip_unrolled.json", "shardkit")
+                      if r["batch"] in (64, 128)]  # fmt: skip
+    micro = latest[:1] + rows("tpu_v5e_chip_accum.json", "shardkit")  # 32: one micro-batch
     series = {
         "big_vision (flax), whole batch": big_vision,
         "ShardedViT, whole batch": whole,
