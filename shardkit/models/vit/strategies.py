@@ -106,8 +106,8 @@ def sharded_cases(
     # (over data and the token axes) one layer behind; no remat.
     syncs = zero == 0 and (mesh["data"] > 1 or mesh["seq"] > 1)
     can_overlap = (sp == "megatron" or zero == 3 or syncs) and use_remat == "none"
-    forms = (False, True, "bidirectional") if sp == "megatron" else (False, True)
-    overlap = draw(st.sampled_from(forms)) if can_overlap else False
+    forms: list[bool | str] = [False, True, "bidirectional"] if sp == "megatron" else [False, True]
+    overlap: bool | str = draw(st.sampled_from(forms)) if can_overlap else False
     # Gradient accumulation wherever no param collective would run once per micro-batch.
     can_accumulate = zero <= 1 and not (overlap and syncs)
     micro = draw(st.sampled_from((1, 2))) if can_accumulate else 1
