@@ -360,8 +360,7 @@ class Plan:
              f"--microbatches {self.microbatches} without --pp accumulates gradients over the "
              f"micro-batches, and --zero {self.zero} would gather or scatter the params once per "
              "micro-batch (not built); use --zero 1 or no ZeRO"),
-            (none and self.microbatches > 1 and bool(self.overlap) and self.zero == 0
-             and data * seq > 1,
+            (none and self.microbatches > 1 and self.syncs_by_layer and data * seq > 1,
              f"--microbatches {self.microbatches} without --pp accumulates gradients, and "
              "--overlap's layer-by-layer gradient sync would run once per micro-batch (not "
              "built); drop --overlap"),
@@ -371,6 +370,13 @@ class Plan:
             (not none and virtual > 1 and pp != "interleaved" and (pp, virtual) != ("zbv", 2),
              f"--virtual {virtual} only applies to --pp interleaved, not --pp {pp}"),
         ]  # fmt: skip
+
+    @property
+    def syncs_by_layer(self) -> bool:
+        """``overlap`` with plain DP's gradient sync (no FSDP or ZeRO): the blocks' gradients
+        are all-reduced layer by layer, under the next layer's backward
+        (``data.sync_in_backward``)."""
+        return bool(self.overlap) and self.zero == 0
 
     @property
     def recompute(self) -> bool:

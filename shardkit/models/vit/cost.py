@@ -80,7 +80,7 @@ from shardkit.comm.terms import Expectation, Term
 from shardkit.mesh import Plan, format_mesh
 from shardkit.models.vit import cost_params as pc
 from shardkit.models.vit.geometry import STEP_END, WORD, Geometry, geometry, term
-from shardkit.models.vit.plan import TokenSplit, schedule, syncs_by_layer
+from shardkit.models.vit.plan import TokenSplit, schedule
 from shardkit.parallel import pipeline
 from shardkit.parallel.tiles import Tiles
 
@@ -96,7 +96,7 @@ def unlooped_layers(cfg: vit_ref.ViTConfig, plan: Plan) -> int:
     after a loop of depth − 1 trips, which XLA removes when it has one trip; else none."""
     if loopless(cfg, plan):
         return cfg.depth
-    if plan.overlap and (plan.fsdp or syncs_by_layer(plan)):
+    if plan.overlap and (plan.fsdp or plan.syncs_by_layer):
         return cfg.depth if cfg.depth == 2 else 1
     return 0
 

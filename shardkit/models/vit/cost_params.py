@@ -18,7 +18,7 @@ from shardkit.comm.bytes import all_gather_bytes, all_reduce_bytes, permute_byte
 from shardkit.comm.ledger import exchange
 from shardkit.comm.terms import Term
 from shardkit.models.vit.geometry import STEP_END, WORD, Axes, Geometry, term
-from shardkit.models.vit.plan import param_axes, row_leaves, syncs_by_layer
+from shardkit.models.vit.plan import param_axes, row_leaves
 from shardkit.parallel.tiles import LANES, bucket_elements
 
 
@@ -98,7 +98,7 @@ def gradient_terms(g: Geometry) -> list[Term]:
     rows = token_row_leaves(g)
     buckets: dict[tuple[Axes, frozenset[str]], int] = {}
     for leaf in param_leaves(g):
-        if leaf.in_blocks and syncs_by_layer(g.plan):
+        if leaf.in_blocks and g.plan.syncs_by_layer:
             continue  # all-reduced layer by layer (``layer_sync_terms``)
         axes = sync_axes(g, leaf)
         size = leaf.local
@@ -121,14 +121,14 @@ def gradient_terms(g: Geometry) -> list[Term]:
 
 
 def layer_sync_terms(g: Geometry) -> list[Term]:
-    """DP's overlapped gradient sync (``plan.syncs_by_layer``): in each of the l layers' backward
+    """DP's overlapped gradient sync (``Plan.syncs_by_layer``): in each of the l layers' backward
     steps, each bucket of one layer's gradients (the block leaves sharing sync axes and
     varying axes, as at the step's end) is laid out as [n, r, 128] (padded to n·r·128) and
     reduced by a reduce-scatter of permutes (``permuted_scatter_terms``), each device keeping
     r·128 elements, then an all-gather of them: 2(n−1)/n · the padded bucket, an
     all-reduce's bytes. Elements travel
     in ``grad_sync``'s dtype (``g.grad_word``: XLA:CPU widens these bf16 collectives too)."""
-    if not syncs_by_layer(g.plan):
+    if not g.plan.syncs_by_layer:
         return []
     word = g.grad_word
     buckets: dict[tuple[Axes, frozenset[str]], int] = {}

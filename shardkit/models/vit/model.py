@@ -77,7 +77,6 @@ from shardkit.models.vit.plan import (
     schedule,
     state_rules,
     state_specs,
-    syncs_by_layer,
     token_split,
 )
 from shardkit.parallel import data as dp
@@ -164,7 +163,7 @@ def layer_sync_axes(cfg: vit_ref.ViTConfig, plan: Plan, lay: Layout) -> Params |
     (``dp.sync_in_backward``) instead of at the step's end; None otherwise. The axes are the
     ``ShardedModel``'s ``sync_axes`` of the leaf: data, and the token axes it is not split
     over."""
-    if not syncs_by_layer(plan):
+    if not plan.syncs_by_layer:
         return None
     specs = state_specs(cfg, plan)["blocks"]
     axes = sharded.grad_sync_axes(specs, lay.mesh, ("data",), lay.token_axes)

@@ -222,12 +222,6 @@ def token_split(cfg: vit_ref.ViTConfig, plan: Plan) -> TokenSplit:
     return TokenSplit(attention, u, mesh_axes, sizes, token_axes, ring, uly)
 
 
-def syncs_by_layer(plan: Plan) -> bool:
-    """``overlap`` with plain DP's gradient sync (no FSDP or ZeRO): the blocks' gradients are
-    all-reduced layer by layer, under the next layer's backward (``data.sync_in_backward``)."""
-    return bool(plan.overlap) and plan.zero == 0
-
-
 def tokens_split(plan: Plan) -> bool:
     """Whether ``plan`` splits the token dim (sequence parallelism, or Megatron-SP over model)."""
     return plan.size("seq") > 1 or (plan.sp == "megatron" and plan.size("model") > 1)
