@@ -37,7 +37,7 @@ ZERO_LEVELS = (0, 1, 2, 3)  # none, optimizer state, + gradients, + params (FSDP
 # the matmuls without batch dims ("dots": the rest, LayerNorm, softmax, GELU and attention's
 # batched products, recomputed), or only its input ("full": the whole block recomputed).
 REMAT_POLICIES = ("none", "dots", "full")
-LAYER_LOOPS = ("scan", "unrolled")
+LAYER_LOOPS = ("scan", "unrolled", "list")
 KERNELS = ("auto", "jnp", "pallas")  # attention's compute: shardkit.kernels
 GRAD_SYNC = ("float32", "bfloat16")  # the dtype gradient all-reduces travel in
 
@@ -215,9 +215,12 @@ class Plan:
         collectives whose results the backward reads (with FSDP the layer's weights are
         gathered again).
       layers: how the blocks run (``LAYER_LOOPS``): "scan" (one ``lax.scan`` over the stacked
-        layers: one compiled body, the loop's trip count read by the ledger) or "unrolled" (a
+        layers: one compiled body, the loop's trip count read by the ledger), "unrolled" (a
         Python loop over the same stacked params: XLA fuses across layers; faster on a TPU,
-        longer to compile).
+        longer to compile) or "list" (unrolled over per-layer param buffers, each layer's
+        weights their own arrays, as big_vision keeps them: each layer's optimizer update
+        fuses into its gradient's matmul; the model's ``shard`` unstacks, ``to_reference``
+        stacks back; not under a pipeline, whose chunks are slices of the stack).
       pp: the pipeline schedule over ``stage`` (``parallel.schedules``): none, gpipe, 1f1b,
         interleaved, zb (ZB-H1) or zbv (ZB-V, two chunks per stage: ``virtual`` becomes 2);
         needs stage > 1, and stage > 1 needs one.
@@ -364,12 +367,21 @@ class Plan:
              f"--microbatches {self.microbatches} without --pp accumulates gradients, and "
              "--overlap's layer-by-layer gradient sync would run once per micro-batch (not "
              "built); drop --overlap"),
+            (self.layers == "list" and not none,
+             f"--layers list keeps each layer's params in their own arrays, and --pp {pp} cuts "
+             "the stacked layers into chunks; use --layers scan or unrolled"),
             (none and virtual > 1, f"--virtual {virtual} only applies with --pp interleaved"),
             (not none and stages == 1,
              f"--pp {pp} needs a stage axis of size > 1 in --mesh (it has stage=1)"),
             (not none and virtual > 1 and pp != "interleaved" and (pp, virtual) != ("zbv", 2),
              f"--virtual {virtual} only applies to --pp interleaved, not --pp {pp}"),
         ]  # fmt: skip
+
+    @property
+    def unrolled(self) -> bool:
+        """The blocks run as a Python loop (``layers`` "unrolled" or "list"): no layer loop in
+        the compiled step."""
+        return self.layers != "scan"
 
     @property
     def syncs_by_layer(self) -> bool:

@@ -79,6 +79,10 @@ def assert_one_sentence(err: Exception) -> None:
         ),
         (lambda: Plan({"data": 2}, virtual=2), "--virtual 2 only applies with --pp interleaved"),
         (
+            lambda: Plan({"stage": 2}, pp="gpipe", layers="list"),
+            "--layers list keeps each layer's params in their own arrays, and --pp gpipe cuts",
+        ),
+        (
             lambda: Plan({"data": 2}, pp="1f1b"),
             r"--pp 1f1b needs a stage axis of size > 1 in --mesh",
         ),

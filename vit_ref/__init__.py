@@ -1,7 +1,7 @@
 """vit_ref: the unsharded reference Vision Transformer (big_vision-compatible, plain JAX)."""
 
 from vit_ref.config import VARIANT_NAMES, ViTConfig, variant
-from vit_ref.model import Params, forward, init, param_axes, posemb_sincos2d
+from vit_ref.model import LAYERS, Params, as_layers, forward, init, param_axes, posemb_sincos2d
 from vit_ref.train import (
     accumulated_grads,
     accuracy,
@@ -13,10 +13,12 @@ from vit_ref.train import (
 )
 
 __all__ = [
+    "LAYERS",
     "VARIANT_NAMES",
     "Params",
     "ViTConfig",
     "accumulated_grads",
+    "as_layers",
     "accuracy",
     "cross_entropy",
     "forward",

@@ -8,7 +8,9 @@ Dimension alphabet (used in every einsum and shape comment of the project):
   f MLP hidden, p patch features (patch * patch * channels), o output classes, l layers.
 
 Params are a nested dict of arrays. Per-layer params are stacked along a leading ``l`` axis and
-the blocks run under ``lax.scan``, or unrolled over the same stack (``forward``'s ``layers``).
+the blocks run under ``lax.scan``, or unrolled over the same stack; or, as big_vision keeps them,
+each layer's params are its own arrays, a list of per-layer trees under ``blocks``
+(``as_layers``), run unrolled (``forward``'s ``layers``).
 ``param_axes`` gives, for every leaf, its logical axis names;
 sharded code maps those names to mesh axes in one rules table instead of scattering specs.
 """
@@ -44,19 +46,53 @@ REMAT: dict[str, Any] = {
 }
 
 
-LAYERS = ("scan", "unrolled")
+# How the blocks run: "scan" and "unrolled" over the stacked params, "list" over per-layer ones.
+LAYERS = ("scan", "unrolled", "list")
 
 
-def layer(blocks: Params, i: int) -> Params:
-    """Layer ``i``'s params from the stacked blocks."""
+def as_layers(params: Params, layers: str) -> Params:
+    """``params`` in the form ``layers`` runs (``LAYERS``): ``blocks`` as one stacked tree
+    ([l, ...] leaves) for "scan" and "unrolled", as a list of per-layer trees for "list"
+    (each layer's weights its own arrays: XLA fuses a layer's optimizer update into its
+    gradient's matmul, where a stack needs the gradient assembled first). Also works on any
+    params-shaped tree (gradients, optimizer moments); a copy only when the form changes."""
+    if layers not in LAYERS:
+        raise ValueError(f"Unknown layers {layers!r}; choose one of {', '.join(LAYERS)}.")
+    blocks = params["blocks"]
+    if (layers == "list") == isinstance(blocks, list):
+        return params
+    if layers == "list":
+        depth = jax.tree.leaves(blocks)[0].shape[0]
+        return {**params, "blocks": [layer(blocks, i) for i in range(depth)]}
+    return {**params, "blocks": jax.tree.map(lambda *a: jnp.stack(a), *blocks)}
+
+
+def layer(blocks: Params | list[Params], i: int) -> Params:
+    """Layer ``i``'s params from the stacked blocks or the list of per-layer ones."""
+    if isinstance(blocks, list):
+        return blocks[i]
     return jax.tree.map(lambda a: a[i], blocks)
+
+
+def check_layers(blocks: Any, layers: str) -> None:
+    """ValueError unless ``blocks`` is in the form ``layers`` runs (``as_layers``)."""
+    if layers == "list" and not isinstance(blocks, list):
+        raise ValueError(
+            "layers='list' runs per-layer params (params['blocks'] a list); these are stacked: "
+            "pass vit_ref.as_layers(params, 'list')."
+        )
+    if layers != "list" and isinstance(blocks, list):
+        raise ValueError(
+            f"layers={layers!r} runs stacked params; params['blocks'] is a list of layers: pass "
+            f"vit_ref.as_layers(params, {layers!r}), or run them with layers='list'."
+        )
 
 
 def run_layers(
     fn: Callable[[Array, Any], Array], x: Array, stacked: Any, layers: str
 ) -> tuple[Array, list[Array]]:
     """(output, every layer's output) of ``x = fn(x, layer_i)`` over the leading axis of
-    ``stacked``, as one ``lax.scan`` or unrolled (``LAYERS``)."""
+    ``stacked``, as one ``lax.scan`` or unrolled, or over a list of layers (``LAYERS``)."""
     if layers == "scan":
 
         def body(x: Array, p: Any) -> tuple[Array, Array]:
@@ -65,11 +101,12 @@ def run_layers(
 
         x, ys = jax.lax.scan(body, x, stacked)
         return x, [ys[i] for i in range(ys.shape[0])]
-    if layers != "unrolled":
+    if layers not in LAYERS:
         raise ValueError(f"Unknown layers {layers!r}; choose one of {', '.join(LAYERS)}.")
+    depth = len(stacked) if layers == "list" else jax.tree.leaves(stacked)[0].shape[0]
     outs = []
-    for i in range(jax.tree.leaves(stacked)[0].shape[0]):
-        x = fn(x, layer(stacked, i))
+    for i in range(depth):
+        x = fn(x, stacked[i] if layers == "list" else layer(stacked, i))
         outs.append(x)
     return x, outs
 
@@ -184,8 +221,9 @@ def _init_head(key: jax.Array, cfg: ViTConfig) -> Params:
     return {"kernel": kernel, "bias": jnp.zeros((cfg.classes,), jnp.float32)}
 
 
-def param_axes(cfg: ViTConfig) -> Params:
-    """Logical axis names of every param leaf (same tree structure as ``init``)."""
+def param_axes(cfg: ViTConfig, layers: str = "scan") -> Params:
+    """Logical axis names of every param leaf (same tree structure as ``init``, or with
+    ``layers="list"`` as ``as_layers(init(...), "list")``: per-layer leaves have no "layers")."""
     ln = {"scale": ("embed",), "bias": ("embed",)}
     stacked = lambda tree: jax.tree.map(  # noqa: E731
         lambda names: ("layers", *names), tree, is_leaf=lambda x: isinstance(x, tuple)
@@ -210,7 +248,7 @@ def param_axes(cfg: ViTConfig) -> Params:
         axes["pos_embedding"] = (None, "tokens", "embed")
     if cfg.pool == "tok":
         axes["cls"] = (None, None, "embed")
-    axes["blocks"] = stacked(block)
+    axes["blocks"] = [block] * cfg.depth if layers == "list" else stacked(block)
     axes["encoder_norm"] = ln
     axes["head"] = {"kernel": ("embed", "classes"), "bias": ("classes",)}
     return axes
@@ -366,8 +404,10 @@ def forward(
       remat: the blocks' recomputation policy (``REMAT``: "none", "dots" or "full"); the
         values are the same, only what the backward keeps differs.
       layers: how the blocks run (``LAYERS``): "scan" (``lax.scan`` over the stacked params: one
-        compiled body) or "unrolled" (a Python loop over the same stacked params: XLA sees
-        and fuses every layer; 1.3x faster on a v5e at ViT-B/16, longer to compile).
+        compiled body), "unrolled" (a Python loop over the same stacked params: XLA sees
+        and fuses every layer; 1.3x faster on a v5e at ViT-B/16, longer to compile) or "list"
+        (a Python loop over per-layer params, ``as_layers(params, "list")``: each layer's
+        AdamW update fused into its gradient; another 2% on a v5e, docs/performance.md).
 
     Returns:
       logits of shape [b, classes] (float32), and a dict with ``embedding`` [b, t, d],
@@ -379,6 +419,7 @@ def forward(
     x = constrain(embed(params, images, cfg))
     inter: dict[str, Array] = {"embedding": x}
 
+    check_layers(params["blocks"], layers)
     scores = softmax_dtype(cfg)
     run_block = remat_block(lambda x, p: block(constrain(x), p, dtype, scores), remat)
     x, per_layer = run_layers(run_block, x, params["blocks"], layers)

@@ -80,8 +80,9 @@ def make_train_step(
     ``remat``: the blocks' recomputation policy (``forward``); "dots" by default: under
     ``lax.scan`` "none" stacks every intermediate the backward reads, the float32 attention
     scores included (ViT-B/16, batch 32, bf16 on a v5e: 7.34 GB temp and 686 img/s against
-    2.69 GB and 771 img/s with "dots"; docs/performance.md). ``layers``: "scan" or "unrolled"
-    (``forward``); unrolled, "none" is the fastest and XLA keeps no per-layer stacks.
+    2.69 GB and 771 img/s with "dots"; docs/performance.md). ``layers``: "scan", "unrolled"
+    or "list" (``forward``; "list" takes ``as_layers(params, "list")``); unrolled, "none" is the
+    fastest and XLA keeps no per-layer stacks.
     ``microbatches``: gradient accumulation (``accumulated_grads``).
     """
 

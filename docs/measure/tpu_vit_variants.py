@@ -9,6 +9,8 @@ Each variant is vit_ref's forward with some choices changed, timed like ``bench 
   residual   float32 | bfloat16: the dtype of the residual stream between blocks
   scores     float32 | bfloat16: attention logits and softmax
   qkv        split | fused: three projections or one [d, 3, h, k] matmul
+  heads      major: q, k, v projected head-major ([b, h, t, k]), the core's einsums over
+             (b, h) batch dims, the out projection from [b, h, t, k]
   attn       ref | flax: flax's order (q scaled by a Python float, then bf16 logits and softmax)
   layers     stacked | list: per-layer params as one [depth, ...] array or a list of trees
   norm       1: also compute the gradients' global norm (as ``vit_ref.make_train_step`` does)
@@ -34,6 +36,10 @@ from vit_ref import model as ref
 
 
 def attention(q, k, v, scores):
+    if scores == "heads_major":  # q, k, v: [b, h, t, k]
+        q = q * (1.0 / float(np.sqrt(q.shape[-1])))
+        probs = jax.nn.softmax(jnp.einsum("bhqk,bhsk->bhqs", q, k), axis=-1)
+        return jnp.einsum("bhqs,bhsk->bhqk", probs.astype(v.dtype), v)
     if scores == "flax":
         q = q * (1.0 / float(np.sqrt(q.shape[-1])))
         probs = jax.nn.softmax(jnp.einsum("bqhk,bshk->bhqs", q, k), axis=-1)
@@ -61,6 +67,15 @@ def by_chunks(fn, q, k, v, opts):
 def block(x, p, dtype, opts):
     h = ref.layer_norm(x, p["ln1"]).astype(dtype)
     a = p["attn"]
+    if opts.get("heads") == "major":
+        q, k, v = (
+            jnp.einsum("btd,dhk->bhtk", h, a[n]["kernel"].astype(dtype))
+            + a[n]["bias"].astype(dtype)[:, None]
+            for n in ("query", "key", "value")
+        )
+        o = attention(q, k, v, "heads_major")
+        x = x + ref.dense(o, a["out"], "bhtk,hkd->btd", dtype).astype(x.dtype)
+        return x + ref.mlp(ref.layer_norm(x, p["ln2"]), p["mlp"], dtype).astype(x.dtype)
     if opts.get("qkv") == "fused":
         w = jnp.stack([a[n]["kernel"] for n in ("query", "key", "value")], axis=1).astype(dtype)
         b = jnp.stack([a[n]["bias"] for n in ("query", "key", "value")], axis=0).astype(dtype)

@@ -38,7 +38,14 @@ from jax.sharding import PartitionSpec as P
 import vit_ref
 from shardkit.comm.ledger import Ledger, ledger_of, measure
 from shardkit.mesh import Plan, format_mesh, make_mesh
-from shardkit.models.vit import ShardedViT, check_plan, param_specs, state_specs, token_split
+from shardkit.models.vit import (
+    ShardedViT,
+    check_plan,
+    param_specs,
+    stacked,
+    state_specs,
+    token_split,
+)
 from shardkit.models.vit.report import abstract_step_args, default_optimizer, report_of
 from shardkit.parallel import data as dp
 from shardkit.parallel.sequence import USP_SEQ
@@ -415,6 +422,7 @@ def auto_train_step(
     """
     mesh = make_mesh(plan.mesh, devices)
     constrain = _token_constraint(cfg, plan, mesh)
+    plan = stacked(plan)  # vit_ref's params as init gives them
     specs = param_specs(cfg, plan)
     param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     shapes = jax.eval_shape(lambda: vit_ref.init(jax.random.key(0), cfg))
@@ -460,7 +468,7 @@ def measure_auto(
     step, _, _ = auto_train_step(cfg, plan, optimizer, devices)
     mesh = make_mesh(plan.mesh, devices)
     batch_spec = P("data") if plan.size("data") > 1 else P()
-    specs = (param_specs(cfg, plan), state_specs(cfg, plan))
+    specs = (param_specs(cfg, stacked(plan)), state_specs(cfg, stacked(plan)))
     sharding = lambda s: NamedSharding(mesh, s)  # noqa: E731
     args = abstract_step_args(cfg, *specs, sharding, batch_spec, batch, optimizer)
     return measure(step, *args, mesh=mesh, compiler_options=compiler_options)

@@ -86,7 +86,7 @@ class Chip:
         for (x0, r0), (x1, r1) in itertools.pairwise(points):
             if x0 <= x <= x1:
                 rate = r0 + (r1 - r0) * (x - x0) / (x1 - x0)
-        gain = UNROLLED_GAIN if layers == "unrolled" else 1.0
+        gain = UNROLLED_GAIN if layers != "scan" else 1.0
         return rate * gain * self.peak_flops / V5E_PEAK
 
     @property

@@ -102,6 +102,7 @@ def _step_and_args(
     optimizer = vit_ref.make_optimizer()
     images, labels = _inputs(cfg, batch)
     if who == "vit_ref":
+        params = vit_ref.as_layers(params, layers)
         state = jax.jit(optimizer.init)(params)
         step = vit_ref.make_train_step(cfg, optimizer, remat, layers, microbatches=micro)
         return step, (params, state, images, labels)

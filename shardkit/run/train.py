@@ -301,12 +301,26 @@ def resume_state(
         {"model": dataclasses.asdict(model.cfg), "options": {k: options[k] for k in RUN_DEFINING}},
         where / str(step),
     )
+    _check_layer_form(meta, model, where / str(step))
     restored = checkpoint.restore(where, step, checkpoint.abstract_like(state))
     checkpoint.note(f"resuming from step {step} of {opts.steps} ({where / str(step)}).")
     if jax.process_index() == 0:
         checkpoint.set_aside_after(where, step)  # this run writes those steps anew
     records = read_records(directory / "metrics.jsonl")
     return restored, step, [r for r in records if r["step"] <= step]
+
+
+def _check_layer_form(meta: dict[str, Any], model: ShardedViT, where: pathlib.Path) -> None:
+    """CheckpointError unless the checkpoint's blocks are in this plan's form: stacked, or a
+    list of per-layer trees (``--layers list``); any other plan change restores."""
+    saved = meta.get("plan", {}).get("layers", "scan")
+    if (saved == "list") != (model.plan.layers == "list"):
+        form = lambda layers: "per-layer" if layers == "list" else "stacked"  # noqa: E731
+        raise checkpoint.CheckpointError(
+            f"Checkpoint {where} holds {form(saved)} blocks (--layers {saved}) and this run "
+            f"keeps them {form(model.plan.layers)}: resume with --layers "
+            f"{'list' if saved == 'list' else 'scan or unrolled'}."
+        )
 
 
 def read_records(metrics: pathlib.Path) -> list[dict[str, Any]]:

@@ -116,6 +116,12 @@ COMPOSITIONS = {
         CFG,
         Plan({"data": 2, "seq": 2, "model": 2}, sp="megatron", overlap=True, layers="unrolled"),
     ),
+    # per-layer params: the unrolled stack's collectives, each layer's from its own buffers
+    "FSDP×TP overlap per-layer params": (
+        CFG,
+        Plan({"data": 4, "model": 2}, fsdp=True, overlap=True, layers="list"),
+    ),
+    "ZeRO-2 per-layer params": (CFG, Plan({"data": 8}, zero=2, layers="list")),
 }
 _REPORTS: dict[str, report.Report] = {}
 

@@ -280,3 +280,26 @@ def test_big_vision_precision_runs_the_residual_stream_in_bf16() -> None:
 def test_unknown_precision_is_one_sentence() -> None:
     with pytest.raises(ValueError, match="precision='bf16' is not one of wide, big_vision"):
         dataclasses.replace(TINY, precision="bf16")
+
+
+def test_as_layers_round_trips_and_a_mismatched_form_is_one_sentence() -> None:
+    """``as_layers``: the stack as a list of per-layer trees and back, bitwise; ``forward``
+    refuses params in the other form than its ``layers`` runs, naming the fix."""
+    cfg = vit_ref.ViTConfig(image=8, patch=4, classes=3, dim=8, depth=3, heads=2, mlp_dim=8)
+    params = vit_ref.init(jax.random.key(0), cfg)
+    per_layer = vit_ref.as_layers(params, "list")
+    assert len(per_layer["blocks"]) == 3 and vit_ref.as_layers(per_layer, "list") is per_layer
+    back = vit_ref.as_layers(per_layer, "unrolled")
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
+        assert a.shape == b.shape and bool((a == b).all())
+    axes = vit_ref.param_axes(cfg, "list")
+    assert jax.tree.structure(per_layer) == jax.tree.structure(
+        jax.tree.map(lambda _: 0, axes, is_leaf=lambda x: isinstance(x, tuple))
+    )
+    images = jnp.zeros((1, 8, 8, 3))
+    with pytest.raises(ValueError, match=r"as_layers\(params, 'list'\)"):
+        vit_ref.forward(params, images, cfg, layers="list")
+    with pytest.raises(ValueError, match="run them with layers='list'"):
+        vit_ref.forward(per_layer, images, cfg, layers="scan")
+    with pytest.raises(ValueError, match="Unknown layers 'loop'"):
+        vit_ref.as_layers(params, "loop")

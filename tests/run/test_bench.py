@@ -125,14 +125,16 @@ def test_chip_bench_reports_both_models_per_batch_and_policy(capsys) -> None:
 
 def test_chip_bench_accumulates_batches_over_the_micro_batch(capsys) -> None:
     """``--micro-batch 2``: batch 4 runs as 2 micro-batches of 2 in both models, batch 2 whole;
-    the table says so (2×2)."""
-    flags = ["--image", "16", "--patch", "8", "--dim", "32", "--depth", "1", "--heads", "2",
+    the table says so (2×2). Both models on per-layer params (``--layers list``)."""
+    flags = ["--image", "16", "--patch", "8", "--dim", "32", "--depth", "2", "--heads", "2",
              "--mlp-dim", "64", "--classes", "5", "--steps", "1", "--warmup", "0"]  # fmt: skip
     assert cli.main(["bench", "--chip", *flags, "--batches", "2,4", "--remats", "none",
-                     "--micro-batch", "2"]) == 0  # fmt: skip
+                     "--micro-batch", "2", "--layers", "list"]) == 0  # fmt: skip
     table = capsys.readouterr().out
-    splits = [re.search(r" (\d+×\d+) ", line).group(1) for line in table.splitlines()[2:]]
+    rows = table.splitlines()[2:]
+    splits = [re.search(r" (\d+×\d+) ", line).group(1) for line in rows]
     assert splits == ["2×1"] * 2 + ["2×2"] * 2
+    assert all(" list " in line for line in rows), table
 
 
 @pytest.mark.parametrize(

@@ -125,6 +125,18 @@ def test_a_checkpoint_of_another_model_is_refused_by_field(uninterrupted, tmp_pa
     assert "is from another run: its model has dim=32, this run's is 16" in capsys.readouterr().err
 
 
+def test_resuming_stacked_blocks_as_per_layer_ones_is_one_sentence(
+    uninterrupted, tmp_path, capsys
+) -> None:
+    """``--layers list`` keeps each layer's params in their own arrays: another tree than a
+    stacked checkpoint's, refused by name instead of failing inside orbax."""
+    bad = [*TRAIN, "--mesh", "data=4,model=2", "--layers", "list", "--resume",
+           str(uninterrupted), "--out", str(tmp_path / "x")]  # fmt: skip
+    assert cli.main(bad) == 2
+    err = capsys.readouterr().err
+    assert "holds stacked blocks (--layers scan) and this run keeps them per-layer" in err, err
+
+
 def killed_mid_save(flags: list[str], out: pathlib.Path, after: int) -> int:
     """Runs ``shardkit train`` in a child process and SIGKILLs it while it is writing the first
     checkpoint after step ``after`` (orbax's temporary directory exists: the save has begun and

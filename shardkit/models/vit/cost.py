@@ -87,7 +87,7 @@ from shardkit.parallel.tiles import Tiles
 
 def loopless(cfg: vit_ref.ViTConfig, plan: Plan) -> bool:
     """Whether the compiled step has no layer loop: one layer, or the layers unrolled."""
-    return cfg.depth == 1 or plan.layers == "unrolled"
+    return cfg.depth == 1 or plan.unrolled
 
 
 def unlooped_layers(cfg: vit_ref.ViTConfig, plan: Plan) -> int:

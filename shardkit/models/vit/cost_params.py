@@ -18,7 +18,7 @@ from shardkit.comm.bytes import all_gather_bytes, all_reduce_bytes, permute_byte
 from shardkit.comm.ledger import exchange
 from shardkit.comm.terms import Term
 from shardkit.models.vit.geometry import STEP_END, WORD, Axes, Geometry, term
-from shardkit.models.vit.plan import param_axes, row_leaves
+from shardkit.models.vit.plan import param_axes, row_leaves, stacked
 from shardkit.parallel.tiles import LANES, bucket_elements
 
 
@@ -53,7 +53,7 @@ def param_leaves(g: Geometry) -> list[Leaf]:
     if g.plan.pp != "none":
         rules["layers"] = "stage"
     shapes = jax.eval_shape(lambda: vit_ref.init(jax.random.key(0), g.cfg))
-    names = jax.tree.leaves(param_axes(g.cfg, g.plan), is_leaf=lambda x: isinstance(x, tuple))
+    names = jax.tree.leaves(param_axes(g.cfg, stacked(g.plan)), is_leaf=lambda x: isinstance(x, tuple))
     leaves = []
     for (path, shape), logical in zip(
         jax.tree_util.tree_leaves_with_path(shapes), names, strict=True

@@ -166,6 +166,8 @@ def layer_sync_axes(cfg: vit_ref.ViTConfig, plan: Plan, lay: Layout) -> Params |
     if not plan.syncs_by_layer:
         return None
     specs = state_specs(cfg, plan)["blocks"]
+    if plan.layers == "list":
+        specs = specs[0]  # every layer's are the same
     axes = sharded.grad_sync_axes(specs, lay.mesh, ("data",), lay.token_axes)
     order = lay.mesh.axis_names
     in_order = lambda a: tuple(x for x in order if x in a)  # noqa: E731
@@ -254,14 +256,14 @@ def _encoder_local(
     (``layer_sync_axes``). ZeRO-2: the gradients go to ``frags`` (the blocks' slices), each
     layer's reduce-scattered in its own backward step."""
     if gather:
-        dims = sharded.gather_dims(param_specs(cfg, plan)["blocks"], "data", drop_leading=1)
+        dims = _layer_dims(param_specs(cfg, plan)["blocks"], plan)
     else:
-        dims = jax.tree.map(lambda _: None, blocks)
+        dims = jax.tree.map(lambda _: None, ref.layer(blocks, 0))
     key_valid = None  # sequence-parallel attention masks padding by position (num_valid)
     if lay.megatron and lay.attention == "local" and lay.padded:  # attends over all tokens
         key_valid = jnp.arange(lay.padded_tokens) < lay.num_tokens
 
-    zero_dims = sharded.gather_dims(state_specs(cfg, plan)["blocks"], "data", drop_leading=1)
+    zero_dims = _layer_dims(state_specs(cfg, plan)["blocks"], plan)
     prefetch = bool(lay.overlap) and plan.fsdp and gather  # each layer gathered one layer ahead
 
     def gathered(p_layer: Params) -> Params:
@@ -286,8 +288,19 @@ def _encoder_local(
             p_layer = dp.zero_attach(p_layer, f_layer, zero_dims, tiles=lay.fsdp_tiles)
         return block(x, p_layer)
 
-    x, _ = ref.run_layers(ref.remat_block(body, plan.remat), x, (blocks, frags), plan.layers)
+    layers = (blocks, frags)  # per layer: (params, ZeRO-2 fragments or None)
+    if plan.layers == "list":
+        layers = list(zip(blocks, frags or [None] * len(blocks), strict=True))
+    x, _ = ref.run_layers(ref.remat_block(body, plan.remat), x, layers, plan.layers)
     return x
+
+
+def _layer_dims(block_specs: Any, plan: Plan) -> Params:
+    """FSDP's or ZeRO's gather dim of each of one layer's leaves, from the blocks' specs
+    (stacked: the layer dim dropped; ``layers="list"``: the first layer's)."""
+    if plan.layers == "list":
+        return sharded.gather_dims(block_specs[0], "data")
+    return sharded.gather_dims(block_specs, "data", drop_leading=1)
 
 
 def _own_rows(grads: Params, cfg: vit_ref.ViTConfig, lay: Layout) -> Array:
@@ -444,15 +457,19 @@ class ShardedViT(sharded.ShardedModel):
         check_rows(self.cfg, self.plan, batch)
 
     def shard(self, params: Params) -> Params:
-        """Places a copy of vit_ref's ``params`` on the mesh (blocks in ``layer_order``)."""
-        return super().shard(_reorder(params, layer_order(self.cfg, self.plan)))
+        """Places a copy of vit_ref's ``params`` on the mesh (blocks in ``layer_order``, or
+        as a list of per-layer trees under ``layers="list"``; either form is taken)."""
+        ordered = _reorder(ref.as_layers(params, "scan"), layer_order(self.cfg, self.plan))
+        return super().shard(ref.as_layers(ordered, self.plan.layers))
 
     def to_reference(self, tree: Params) -> Params:
         """A params-shaped tree of this model (params, gradients) in vit_ref's layer order.
 
-        The identity unless the interleaved schedule stores the layers in ``layer_order``.
+        The identity unless the interleaved schedule stores the layers in ``layer_order``, or
+        ``layers="list"`` keeps them as a list (stacked back here).
         """
-        return _reorder(tree, np.argsort(layer_order(self.cfg, self.plan)))
+        stacked = ref.as_layers(tree, "scan")
+        return _reorder(stacked, np.argsort(layer_order(self.cfg, self.plan)))
 
     def shard_batch(self, *arrays: Array) -> tuple[Array, ...]:
         """Splits arrays along their first (batch) dim over ``data``: the images alone (for

@@ -52,7 +52,9 @@ def step_args(
     """
     model.check_batch(batch)
     specs = (model.specs, model.state_specs)
-    return abstract_step_args(model.cfg, *specs, model.sharding, model.batch_spec, batch, optimizer)
+    return abstract_step_args(
+        model.cfg, *specs, model.sharding, model.batch_spec, batch, optimizer, model.plan.layers
+    )
 
 
 def abstract_step_args(
@@ -63,8 +65,11 @@ def abstract_step_args(
     batch_spec: P,
     batch: int,
     optimizer: optax.GradientTransformation,
+    layers: str = "scan",
 ) -> tuple[Any, ...]:
-    shapes = jax.eval_shape(lambda: vit_ref.init(jax.random.key(0), cfg))
+    """Abstract step arguments with ``specs``' shardings, the blocks in the form ``layers``
+    runs (``vit_ref.as_layers``)."""
+    shapes = jax.eval_shape(lambda: vit_ref.as_layers(vit_ref.init(jax.random.key(0), cfg), layers))
     params = _abstract(shapes, jax.tree.map(sharding, specs))
     opt_state = _abstract(*dp.opt_state_layout(optimizer, shapes, state_specs, sharding))
     data = sharding(batch_spec)
