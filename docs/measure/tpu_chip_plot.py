@@ -1,5 +1,6 @@
 """The picture on docs/performance.md: one v5e's ViT-B/16 train step, big_vision beside the
-sharded ViT on the whole batch and on micro-batches of 32, from the committed results.
+sharded ViT on the whole batch (stacked layers), and on per-layer params in micro-batches of 32,
+from the committed results.
 
     python docs/measure/tpu_chip_plot.py   # writes docs/img/tpu_v5e_throughput.png
 """
@@ -22,15 +23,18 @@ def rows(name, model):
 
 def main() -> None:
     big_vision = rows("tpu_v5e_bigvision.json", "big_vision (flax)")[1:]  # its batch 128
-    big_vision += rows("tpu_v5e_bigvision_3.json", "big_vision (flax)")  # 32 and 256
+    big_vision += rows("tpu_v5e_bigvision_3.json", "big_vision (flax)")[1:]  # 256
     latest = rows("tpu_v5e_chip_unrolled_3.json", "shardkit")  # 32 and 256, re-measured
     whole = latest + [r for r in rows("tpu_v5e_chip_unrolled.json", "shardkit")
                       if r["batch"] in (64, 128)]  # fmt: skip
-    micro = latest[:1] + rows("tpu_v5e_chip_accum.json", "shardkit")  # 32: one micro-batch
+    big_vision += rows("tpu_v5e_bigvision_4.json", "big_vision (flax)")  # 32, re-measured
+    per_layer = rows("tpu_v5e_chip_list_b32.json", "shardkit")  # 32: one micro-batch
+    per_layer += rows("tpu_v5e_chip_list_accum.json", "shardkit")
     series = {
         "big_vision (flax), whole batch": big_vision,
-        "ShardedViT, whole batch": whole,
-        "ShardedViT, micro-batches of 32 (--microbatches batch/32)": micro,
+        "ShardedViT, whole batch, stacked layers": whole,
+        "ShardedViT, per-layer params, micro-batches of 32\n"
+        "(--layers list --microbatches batch/32)": per_layer,
     }
     fig, (speed, mem) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
     for label, points in series.items():

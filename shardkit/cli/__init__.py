@@ -90,8 +90,9 @@ def add_plan_opts(p: argparse.ArgumentParser) -> None:
                    help="what each block recomputes in backward: dots (keep the matmul "
                    "outputs) or full (the default when bare; re-gathers under FSDP)")  # fmt: skip
     g.add_argument("--layers", choices=LAYER_LOOPS, help="run the blocks as one lax.scan "
-                   "(default), unrolled (faster on a TPU, slower to compile) or list (unrolled "
-                   "over per-layer param arrays: AdamW fused per layer; not with --pp)")  # fmt: skip
+                   "(default), unrolled (faster on a TPU, slower to compile) or list "
+                   "(unrolled over per-layer param arrays: AdamW fused per layer; not with "
+                   "--pp)")  # fmt: skip
     g.add_argument("--kernel", choices=KERNELS, help="attention's compute: jnp, pallas (splash; "
                    "interpreted off a TPU) or auto (pallas on a TPU; the default)")  # fmt: skip
     g.add_argument("--pp", choices=PP_MODES, help="pipeline schedule over the stage axis "

@@ -182,12 +182,11 @@ def prefetch_layers(
     stacked: PyTree,
     layers: str = "scan",
 ) -> Array:
-    """``x = block(x, fetch(layer_i))`` over the leading axis of ``stacked`` (or over the list
-    of per-layer trees it is, ``layers="list"``), each layer's ``fetch`` issued one layer
-    ahead: while layer i runs, layer i + 1's is already under way (it depends on nothing layer
-    i computes), so a scheduler with asynchronous collectives runs it beside layer i's
-    matmuls. Layer 0's is fetched before the loop; a ``lax.scan`` (``layers="scan"``) carries
-    the fetched layer, or a Python loop unrolls it.
+    """``x = block(x, fetch(layer_i))`` over the leading axis of ``stacked`` (or its list of
+    layers: ``layers="list"``), each layer's ``fetch`` issued one layer ahead: while layer i
+    runs, layer i + 1's is already under way (it depends on nothing layer i computes), so a
+    scheduler with asynchronous collectives runs it beside layer i's matmuls. Layer 0's is
+    fetched before the loop; a ``lax.scan`` (``layers="scan"``) carries it, or a loop unrolls.
 
     Backward (autodiff of the same loop): the transpose of layer i + 1's fetch sits in layer
     i's backward step, beside layer i's backward matmuls, and it depends on nothing they
@@ -200,11 +199,9 @@ def prefetch_layers(
     layer held than the plain loop. Under ``jax.checkpoint`` the fetched layer would be a saved
     input, not fetched again: use it without remat.
     """
-    if layers == "list":
-        count, layer = len(stacked), stacked.__getitem__
-    else:
-        count = jax.tree.leaves(stacked)[0].shape[0]
-        layer = lambda i: jax.tree.map(lambda a: a[i], stacked)  # noqa: E731
+    listed = layers == "list"
+    count = len(stacked) if listed else jax.tree.leaves(stacked)[0].shape[0]
+    layer = lambda i: stacked[i] if listed else jax.tree.map(lambda a: a[i], stacked)  # noqa: E731
     fetched = fetch(layer(0))
     if layers == "scan":
 

@@ -53,7 +53,8 @@ def param_leaves(g: Geometry) -> list[Leaf]:
     if g.plan.pp != "none":
         rules["layers"] = "stage"
     shapes = jax.eval_shape(lambda: vit_ref.init(jax.random.key(0), g.cfg))
-    names = jax.tree.leaves(param_axes(g.cfg, stacked(g.plan)), is_leaf=lambda x: isinstance(x, tuple))
+    stack = param_axes(g.cfg, stacked(g.plan))  # the stack's leaves: per-layer ones sum to them
+    names = jax.tree.leaves(stack, is_leaf=lambda x: isinstance(x, tuple))
     leaves = []
     for (path, shape), logical in zip(
         jax.tree_util.tree_leaves_with_path(shapes), names, strict=True

@@ -288,7 +288,7 @@ def _encoder_local(
             p_layer = dp.zero_attach(p_layer, f_layer, zero_dims, tiles=lay.fsdp_tiles)
         return block(x, p_layer)
 
-    layers = (blocks, frags)  # per layer: (params, ZeRO-2 fragments or None)
+    layers: Any = (blocks, frags)  # per layer: (params, ZeRO-2 fragments or None)
     if plan.layers == "list":
         layers = list(zip(blocks, frags or [None] * len(blocks), strict=True))
     x, _ = ref.run_layers(ref.remat_block(body, plan.remat), x, layers, plan.layers)

@@ -240,11 +240,11 @@ def row_leaves(cfg: vit_ref.ViTConfig) -> tuple[str, ...]:
 
 def param_axes(cfg: vit_ref.ViTConfig, plan: Plan) -> Params:
     """``vit_ref.param_axes`` in the plan's form of the blocks (a list of per-layer trees
-    under ``layers="list"``, else stacked), except under FSDP (ZeRO-3) with tokens split, where the row
-    leaves (``row_leaves``) stay whole instead of split over data: each token shard's gradient
-    there is its own rows, gathered over the token axes; split over data, every row would be
-    gathered and reduce-scattered over data too (2(n_d−1)/n_d·T·d·w where t rows carry
-    anything). Their params are T·d + d floats."""
+    under ``layers="list"``, else stacked), except under FSDP (ZeRO-3) with tokens split,
+    where the row leaves (``row_leaves``) stay whole instead of split over data: each token
+    shard's gradient there is its own rows, gathered over the token axes; split over data,
+    every row would be gathered and reduce-scattered over data too (2(n_d−1)/n_d·T·d·w where
+    t rows carry anything). Their params are T·d + d floats."""
     axes = vit_ref.param_axes(cfg, plan.layers)
     if plan.zero != 3 or not tokens_split(plan):
         return axes
