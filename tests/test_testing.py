@@ -33,8 +33,10 @@ from shardkit.testing import (
 SEQ_MODES = ("megatron", "ring", "ulysses", "usp")
 # Pure Python draws: many more than the ci profile's count cost well under a second each.
 MANY = settings(max_examples=150)
-# Any example will do: skip shrinking.
-FIND = settings(max_examples=2000, database=None, phases=[Phase.generate])
+# Any example will do: skip shrinking. The rarest case (Megatron-SP over seq × model with
+# Ulysses inside) is about 1 draw in 200, and the ci profile's derandomized stream shifts with
+# every new draw in the strategies (2,000 missed it once): the search stops at the first hit.
+FIND = settings(max_examples=10_000, database=None, phases=[Phase.generate])
 
 
 def tree(seed: int = 0) -> dict:
