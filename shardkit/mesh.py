@@ -239,13 +239,15 @@ class Plan:
       overlap: run Megatron-SP's all-gathers and reduce-scatters as collective matmuls
         (``parallel.overlap``: ppermute rings a TPU schedules under the matmuls; the same
         bytes in n − 1 steps); FSDP's gather of each layer one layer ahead and its gradient's
-        reduce-scatter one layer behind, as a ring (``parallel.data.prefetch_layers``; the
-        same bytes, one more layer's weights held); and without FSDP or ZeRO, each layer's
-        gradient all-reduce (over data and the token axes) in the next layer's backward
-        step, as a ring reduce-scatter and an all-gather (``parallel.data.
-        sync_in_backward``; the same bytes). Needs sp="megatron", FSDP, or a data or seq
-        axis to sync over; not yet with remat or a pipeline. ``"bidirectional"``: the same,
-        with Megatron-SP's rings running both ways, half a token block each way.
+        reduce-scatter one layer behind, as permutes (``parallel.data.prefetch_layers``;
+        the same bytes, one more layer's weights held); ZeRO-2's per-layer gradient
+        reduce-scatter likewise one layer behind (``data.zero_attach(permuted=True)``); and
+        without FSDP or ZeRO, each layer's gradient all-reduce (over data and the token axes)
+        in the next layer's backward step, as a reduce-scatter of permutes and an all-gather
+        (``parallel.data.sync_in_backward``; the same bytes). Needs sp="megatron", FSDP,
+        ZeRO-2, or a data or seq axis to sync over; not yet with remat or a pipeline.
+        ``"bidirectional"``: the same, with Megatron-SP's rings running both ways, half a
+        token block each way.
     """
 
     mesh: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(AXES, 1))
@@ -337,10 +339,11 @@ class Plan:
             (sp == "megatron" and model == 1,
              "sp='megatron' splits tokens over the model axis, but the mesh has model=1"),
             (bool(self.overlap) and sp != "megatron" and not self.fsdp
-             and (self.zero in (1, 2) or data == seq == 1),
+             and (self.zero == 1 or data == seq == 1),
              "--overlap hides Megatron-SP's collective matmuls, FSDP's gathers and "
-             "scatters, and DP's gradient all-reduces (ZeRO-1/2's reduce-scatters and plain "
-             "TP's all-reduces are not built yet); this plan has none of the three"),
+             "scatters, ZeRO-2's and DP's per-layer gradient syncs (ZeRO-1 reduce-scatters "
+             "once after backward: use --zero 2; plain TP's all-reduces are not built); this "
+             "plan has none of them"),
             (self.overlap not in (False, True, "bidirectional"),
              f"--overlap takes no value or 'bidirectional', got {self.overlap!r}"),
             (self.overlap == "bidirectional" and sp != "megatron",

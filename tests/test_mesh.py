@@ -46,9 +46,10 @@ def assert_one_sentence(err: Exception) -> None:
         (lambda: Plan(grad_sync="fp8"), "Unknown --grad-sync 'fp8'; choose one of float32, bf"),
         (
             lambda: Plan({"model": 2}, overlap=True),
-            "--overlap hides Megatron-SP's collective matmuls, FSDP's gathers and scatters, and "
-            r"DP's gradient all-reduces \(ZeRO-1/2's reduce-scatters and plain TP's all-reduces "
-            r"are not built yet\); this plan has none of the three\.",
+            "--overlap hides Megatron-SP's collective matmuls, FSDP's gathers and scatters, "
+            r"ZeRO-2's and DP's per-layer gradient syncs \(ZeRO-1 reduce-scatters once after "
+            r"backward: use --zero 2; plain TP's all-reduces are not built\); this plan has none "
+            r"of them\.",
         ),
         (
             lambda: Plan({"data": 2}, zero=1, overlap=True),

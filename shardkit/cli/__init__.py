@@ -104,8 +104,8 @@ def add_plan_opts(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap", nargs="?", const=True, default=False, choices=["bidirectional"],
                    help="hide communication under the matmuls: --sp megatron as collective "
                    "matmuls (rings one way, or both: bidirectional); --fsdp gathers each layer "
-                   "one layer ahead and reduce-scatters it one behind; DP syncs each layer's "
-                   "gradients under the next layer's backward")  # fmt: skip
+                   "one layer ahead and reduce-scatters it one behind; --zero 2 and DP sync "
+                   "each layer's gradients under the next layer's backward")  # fmt: skip
     g.add_argument(
         "--grad-sync",
         choices=GRAD_SYNC,

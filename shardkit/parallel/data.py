@@ -57,12 +57,7 @@ def vary(tree: PyTree, axes_tree: PyTree) -> PyTree:
 
     ``axes_tree`` matches ``tree`` with a tuple of axis names per leaf (empty: leave as is).
     """
-    return jax.tree.map(
-        vary_leaf,
-        tree,
-        axes_tree,
-        is_leaf=lambda x: isinstance(x, tuple),
-    )
+    return jax.tree.map(vary_leaf, tree, axes_tree, is_leaf=lambda x: isinstance(x, tuple))
 
 
 @shard_map_primitive
@@ -362,7 +357,12 @@ def _bucket_gather(
 
 @shard_map_primitive
 def zero_scatter(
-    grads: PyTree, dims_tree: PyTree, axis: str = "data", *, tiles: Tiles | None = None
+    grads: PyTree,
+    dims_tree: PyTree,
+    axis: str = "data",
+    *,
+    tiles: Tiles | None = None,
+    permuted: bool = False,
 ) -> PyTree:
     """Reduce-scatters each split leaf's gradient: ``dw[D]{U_X} -> dw[D_X]``, in buckets.
 
@@ -371,6 +371,7 @@ def zero_scatter(
     out device-major in one [n, Σ] buffer per bucket (``tiles``: each row padded to the
     [r, 128] the TPU compiler keeps as a reduce-scatter, ``parallel.tiles``), and ONE
     reduce-scatter leaves device k the sum of row k. Leaves whose dim is None pass through.
+    ``permuted``: of permutes (``overlap.scatter_by_permutes``), which a TPU overlaps.
     Cost: (n−1)/n · the full gradient bytes (each bucket's padded).
     """
     leaves, treedef = jax.tree.flatten(grads)
@@ -383,7 +384,8 @@ def zero_scatter(
         joined = jnp.concatenate(rows, axis=1)  # [n, Σ / n]
         laid = jax.vmap(lambda row: wire(row, tiles, axis))(joined)  # [n, Σ/n] | [n, r, 128]
         # ZeRO: each device needs only the summed gradient of the slice it updates.
-        summed = reduce_scatter(laid, axis).reshape(-1)[: joined.shape[1]]
+        scatter = scatter_by_permutes if permuted else reduce_scatter
+        summed = scatter(laid, axis).reshape(-1)[: joined.shape[1]]
         offset = 0
         for (i, dim), row in zip(members, rows, strict=True):
             moved = jnp.moveaxis(leaves[i], dim, 0).shape
@@ -417,6 +419,7 @@ def zero_attach(
     axis: str = "data",
     *,
     tiles: Tiles | None = None,
+    permuted: bool = False,
 ) -> PyTree:
     """ZeRO-2's hook: returns ``full`` (use it in the forward); its gradient goes to ``frags``,
     reduce-scattered where backward makes it: ``dw[D]{U_X} -> dw[D_X]``.
@@ -427,7 +430,8 @@ def zero_attach(
     layer's backward step, so the stacked gradients the scan returns are already 1/n: the
     whole gradient of one layer is alive at a time, never all of them (the memory ZeRO-2
     saves over ZeRO-1). Leaves whose dim is None are passed as ``frags`` whole and returned.
-    ``tiles``: the reduce-scatters' buckets as ``zero_scatter`` lays them out on a TPU.
+    ``tiles``, ``permuted``: as ``zero_scatter``'s; with ``permuted``, through
+    ``prefetch_layers`` over ``(blocks, frags)``, layer i + 1's runs under layer i's backward.
     """
     full_leaves, treedef = jax.tree.flatten(full)
     frag_leaves = jax.tree.leaves(frags)
@@ -439,13 +443,10 @@ def zero_attach(
     def attach(fulls: list[Array], _frags: list[Array]) -> list[Array]:
         return fulls
 
-    def fwd(fulls: list[Array], _frags: list[Array]) -> tuple[list[Array], None]:
-        return fulls, None
+    def bwd(_: None, cts: list[Array]) -> tuple[None, list[Array]]:
+        return None, zero_scatter(list(cts), split_dims, axis, tiles=tiles, permuted=permuted)
 
-    def bwd(_: None, cotangents: list[Array]) -> tuple[None, list[Array]]:
-        return None, zero_scatter(list(cotangents), split_dims, axis, tiles=tiles)
-
-    attach.defvjp(fwd, bwd)
+    attach.defvjp(lambda fulls, _frags: (fulls, None), bwd)
     used = attach([full_leaves[i] for i in split], [frag_leaves[i] for i in split])
     out = list(frag_leaves)
     for i, w in zip(split, used, strict=True):
@@ -589,11 +590,8 @@ def opt_state_layout(
     specs: PyTree,
     sharding: Callable[[P], NamedSharding],
 ) -> tuple[Any, Any]:
-    """(shapes, shardings) of ``optimizer``'s state: param-shaped leaves split like their param.
-
-    ``params`` may be arrays or shapes; leaves that are not param-shaped (step counts) are
-    replicated.
-    """
+    """(shapes, shardings) of ``optimizer``'s state: param-shaped leaves split like their param,
+    the rest (step counts) replicated. ``params`` may be arrays or shapes."""
     with jax.numpy_dtype_promotion("standard"):  # optax is not strict-promotion clean
         shapes = jax.eval_shape(optimizer.init, params)
     state_specs = opt_state_specs(optimizer, params, specs)

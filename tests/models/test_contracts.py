@@ -122,6 +122,8 @@ COMPOSITIONS = {
         Plan({"data": 4, "model": 2}, fsdp=True, overlap=True, layers="list"),
     ),
     "ZeRO-2 per-layer params": (CFG, Plan({"data": 8}, zero=2, layers="list")),
+    # ZeRO-2's per-layer reduce-scatters one layer behind, as recursive halving's exchanges
+    "ZeRO-2×TP overlap": (CFG, Plan({"data": 4, "model": 2}, zero=2, overlap=True)),
 }
 _REPORTS: dict[str, report.Report] = {}
 

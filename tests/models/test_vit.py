@@ -179,6 +179,9 @@ def check_equal_to_reference(case: Case, tol: float = TOL) -> None:
 # Per-layer params (layers="list"): FSDP gathering one layer ahead; ZeRO-2's per-layer scatters.
 @example(case=(vit(), Plan({"data": 4, "model": 2}, fsdp=True, overlap=True, layers="list"), 4))
 @example(case=(vit(), Plan({"data": 4}, zero=2, layers="list"), 4))
+# ZeRO-2 with each layer's reduce-scatter of permutes one layer behind: scanned, per layer, TP.
+@example(case=(vit(), Plan({"data": 4, "model": 2}, zero=2, overlap=True), 4))
+@example(case=(vit(), Plan({"data": 8}, zero=2, overlap=True, layers="list"), 8))
 def test_data_model_meshes_match_reference(case: Case) -> None:
     check_equal_to_reference(case)
 

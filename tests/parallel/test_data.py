@@ -465,9 +465,13 @@ SCATTER_SHAPES = {"a": (8, 4), "b": (3, 8, 4), "c": (4, 2, 8), "d": (5,)}
     ],
     ids=str,
 )
-def test_zero_scatter_sums_each_leaf_and_splits_it_along_its_own_dim(dims: dict) -> None:
+@pytest.mark.parametrize("permuted", [False, True], ids=["reduce-scatter", "permutes"])
+def test_zero_scatter_sums_each_leaf_and_splits_it_along_its_own_dim(
+    dims: dict, permuted: bool
+) -> None:
     """Device k keeps block k along each leaf's split dim of the sum over devices (leaves
-    split along dims 1 and 2 included); unsplit leaves come back as the device's own value."""
+    split along dims 1 and 2 included); unsplit leaves come back as the device's own value.
+    ``permuted`` (overlap's form, recursive halving's exchanges): the same result."""
     rng = np.random.default_rng(3)  # small integers: every sum is exact
     per_device = {
         k: rng.integers(-8, 8, (ZERO_N, *shape)).astype(np.float32)
@@ -476,7 +480,7 @@ def test_zero_scatter_sums_each_leaf_and_splits_it_along_its_own_dim(dims: dict)
 
     def body(blocks: dict) -> dict:
         grads = {k: b[0] for k, b in blocks.items()}  # this device's summand
-        out = dp.zero_scatter(grads, dims)
+        out = dp.zero_scatter(grads, dims, permuted=permuted)
         return {k: v if dims[k] is not None else v[None] for k, v in out.items()}
 
     out_specs = {k: split_spec(d) if d is not None else P("data") for k, d in dims.items()}
@@ -545,3 +549,46 @@ def test_zero2_gradient_arrives_reduce_scattered_inside_a_scan() -> None:
     split_bytes = ZERO2_LAYERS["kernel"].nbytes + ZERO2_LAYERS["bias"].nbytes
     assert rs.bytes_sent == pytest.approx((ZERO_N - 1) / ZERO_N * split_bytes)
     assert ("all-reduce", ("data",)) not in led
+
+
+def test_zero2_overlapped_scatters_run_one_layer_behind_as_permutes() -> None:
+    """ZeRO-2 with ``overlap``: ``zero_attach(permuted=True)`` as ``prefetch_layers``' fetch
+    over (params, fragments). The fragments' gradient equals the plain hook's, and each
+    layer's reduce-scatter is log2(n) exchanges (n = 4: 2 per layer, 4 in all) with no
+    reduce-scatter or all-reduce left, the same bytes."""
+    _, x = fsdp_inputs()
+    mesh = mesh_of(ZERO_N)
+    batch = x.shape[0]
+
+    def grads(prefetch: bool) -> Any:
+        def loss(frags: dict, full: dict, x_block: jax.Array) -> jax.Array:
+            full = dp.vary(full, {name: ("data",) for name in full})
+            if not prefetch:
+                attach = lambda pair: dp.zero_attach(*pair, ZERO2_DIMS)  # noqa: E731
+                return layer_stack_loss(x_block, (full, frags), attach, batch)
+            fetch = lambda pair: dp.zero_attach(*pair, ZERO2_DIMS, permuted=True)  # noqa: E731
+            layer = lambda h, p: jnp.tanh(h @ p["kernel"] + p["bias"][None]) * p["scale"][None]  # noqa: E731
+            h = dp.prefetch_layers(layer, fetch, x_block, (full, frags))
+            return jnp.sum(jnp.sin(h)) / batch
+
+        def body(frags: dict, full: dict, x_block: jax.Array) -> dict:
+            frags = dp.vary(frags, {"kernel": (), "bias": (), "scale": ("data",)})
+            return jax.grad(loss)(frags, full, x_block)
+
+        specs = {"kernel": P(None, "data"), "bias": P(None, "data"), "scale": P()}
+        out = {**specs, "scale": P("data")}
+        fn = jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), P("data")), out_specs=out)
+        )
+        frags = jax.device_put(
+            ZERO2_LAYERS, jax.tree.map(lambda s: jax.NamedSharding(mesh, s), specs)
+        )
+        return fn(frags, ZERO2_LAYERS, x), ledger.measure(fn, frags, ZERO2_LAYERS, x, mesh=mesh)
+
+    (plain, plain_led), (overlapped, led) = grads(False), grads(True)
+    for name in ZERO2_LAYERS:
+        np.testing.assert_allclose(overlapped[name], plain[name], rtol=TOL, atol=1e-7)
+    summary = led.summary()
+    assert summary[("collective-permute", ("data",))].count == 4
+    assert ("reduce-scatter", ("data",)) not in summary and ("all-reduce", ("data",)) not in summary
+    assert led.total_bytes_sent() == pytest.approx(plain_led.total_bytes_sent())

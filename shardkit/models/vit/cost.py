@@ -92,11 +92,11 @@ def loopless(cfg: vit_ref.ViTConfig, plan: Plan) -> bool:
 
 def unlooped_layers(cfg: vit_ref.ViTConfig, plan: Plan) -> int:
     """How many layers the compiled step runs outside a layer loop: all when ``loopless``;
-    with ``overlap`` over FSDP or DP's sync (``data.prefetch_layers``) the last layer runs
-    after a loop of depth − 1 trips, which XLA removes when it has one trip; else none."""
+    with ``overlap`` over FSDP, ZeRO-2 or DP's sync (``data.prefetch_layers``) the last layer
+    runs after a loop of depth − 1 trips, which XLA removes when it has one trip; else none."""
     if loopless(cfg, plan):
         return cfg.depth
-    if plan.overlap and (plan.fsdp or plan.syncs_by_layer):
+    if plan.overlap and (plan.fsdp or plan.zero == 2 or plan.syncs_by_layer):
         return cfg.depth if cfg.depth == 2 else 1
     return 0
 

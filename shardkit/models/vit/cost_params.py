@@ -249,7 +249,8 @@ def zero_terms(g: Geometry) -> list[Term]:
     FSDP's by the varying axes: model-split or not, token-reduced or not); ZeRO-1 runs each
     once, after backward; ZeRO-2 runs the blocks' inside the layer loop, once per layer, in
     that layer's backward step (the outer leaves' once), so no layer's whole gradient outlives
-    its step. The all-gathers after the update: one per set of split axes (the updated slices
+    its step; with ``overlap`` as permutes, one layer behind (``fsdp_group``'s ``permuted``:
+    the same bytes). The all-gathers after the update: one per set of split axes (the updated slices
     vary over data and the axes that split the param, nothing else). XLA's CPU pipeline
     combines neither. On a TPU every bucket travels as padded tiles (``fsdp_group``).
     """
@@ -266,7 +267,7 @@ def zero_terms(g: Geometry) -> list[Term]:
             *fsdp_group(g, "reduce-scatter", outer, 1, "outer gradient slices", "backward"),
             *fsdp_group(
                 g, "reduce-scatter", blocks, g.cfg.depth, "block gradient slices, per layer",
-                "backward",
+                "backward", bool(g.plan.overlap),
             ),
         ]  # fmt: skip
     by_split: dict[frozenset[str], int] = {}

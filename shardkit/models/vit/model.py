@@ -254,7 +254,8 @@ def _encoder_local(
     (``gather=False``: the blocks are whole already, as a pipeline chunk's are); DP with
     ``overlap`` syncs each layer's gradients in the next one's backward step
     (``layer_sync_axes``). ZeRO-2: the gradients go to ``frags`` (the blocks' slices), each
-    layer's reduce-scattered in its own backward step."""
+    layer's reduce-scattered in its own backward step, or with ``overlap`` as permutes in the
+    previous layer's (``dp.zero_attach(permuted=True)`` one layer ahead)."""
     if gather:
         dims = _layer_dims(param_specs(cfg, plan)["blocks"], plan)
     else:
@@ -264,35 +265,54 @@ def _encoder_local(
         key_valid = jnp.arange(lay.padded_tokens) < lay.num_tokens
 
     zero_dims = _layer_dims(state_specs(cfg, plan)["blocks"], plan)
-    prefetch = bool(lay.overlap) and plan.fsdp and gather  # each layer gathered one layer ahead
-
-    def gathered(p_layer: Params) -> Params:
-        # prefetched: each gradient's reduce-scatter as permutes, under the next layer's backward
-        return dp.fsdp_gather(p_layer, dims, tiles=lay.fsdp_tiles, permuted_back=prefetch)
 
     @vma.checked_block
     def block(x: Array, p_layer: Params) -> Array:
         return _block_local(x, p_layer, key_valid, cfg, lay)
 
-    if prefetch:
-        return dp.prefetch_layers(block, gathered, x, blocks, plan.layers)
-    sync_axes = layer_sync_axes(cfg, plan, lay)
-    if sync_axes is not None:  # DP: each layer's gradients synced under the next's backward
-        sync = functools.partial(dp.sync_in_backward, axes_tree=sync_axes, dtype=plan.grad_sync)
-        return dp.prefetch_layers(block, sync, x, blocks, plan.layers)
+    stack: Any = (blocks, frags)  # per layer: (params, ZeRO-2 fragments or None)
+    if plan.layers == "list":
+        stack = list(zip(blocks, frags or [None] * len(blocks), strict=True))
+    fetch = _prefetch(cfg, plan, lay, dims if gather else None, zero_dims, frags is not None)
+    if fetch is not None:
+        return dp.prefetch_layers(block, fetch, x, blocks if frags is None else stack, plan.layers)
 
     def body(x: Array, layer: tuple[Params, Params | None]) -> Array:
         p_layer, f_layer = layer
-        p_layer = gathered(p_layer)
+        p_layer = dp.fsdp_gather(p_layer, dims, tiles=lay.fsdp_tiles)
         if f_layer is not None:
             p_layer = dp.zero_attach(p_layer, f_layer, zero_dims, tiles=lay.fsdp_tiles)
         return block(x, p_layer)
 
-    layers: Any = (blocks, frags)  # per layer: (params, ZeRO-2 fragments or None)
-    if plan.layers == "list":
-        layers = list(zip(blocks, frags or [None] * len(blocks), strict=True))
-    x, _ = ref.run_layers(ref.remat_block(body, plan.remat), x, layers, plan.layers)
+    x, _ = ref.run_layers(ref.remat_block(body, plan.remat), x, stack, plan.layers)
     return x
+
+
+def _prefetch(
+    cfg: vit_ref.ViTConfig,
+    plan: Plan,
+    lay: Layout,
+    dims: Params | None,
+    zero_dims: Params,
+    zero2: bool,
+) -> Callable[[Any], Params] | None:
+    """``overlap``'s fetch for ``dp.prefetch_layers``: the plan's per-layer collective issued
+    one layer ahead, its transpose one layer behind, as permutes. FSDP (``dims``, the gather
+    dims; None: the blocks are whole): the gather, its reduce-scatter back; ZeRO-2 (the fetch
+    takes (params, fragments)): a hook whose backward reduce-scatters; plain DP: a cast whose
+    backward all-reduces (``layer_sync_axes``). None without ``overlap`` or any of them."""
+    if not lay.overlap:
+        return None
+    if plan.fsdp and dims is not None:
+        return lambda p: dp.fsdp_gather(p, dims, tiles=lay.fsdp_tiles, permuted_back=True)
+    if zero2:
+        return lambda pf: dp.zero_attach(
+            pf[0], pf[1], zero_dims, tiles=lay.fsdp_tiles, permuted=True
+        )
+    sync_axes = layer_sync_axes(cfg, plan, lay)
+    if sync_axes is None:
+        return None
+    return functools.partial(dp.sync_in_backward, axes_tree=sync_axes, dtype=plan.grad_sync)
 
 
 def _layer_dims(block_specs: Any, plan: Plan) -> Params:
