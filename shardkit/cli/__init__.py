@@ -239,6 +239,8 @@ def _no_overlap(plan: Any) -> str:
     """Why ``plan`` takes no ``--overlap`` (``Plan``'s rules, in a few words)."""
     if plan.pp != "none" or plan.recompute:
         return "no overlap: --pp, --remat"
+    if plan.zero == 1:
+        return "no overlap: ZeRO-1's scatter is after backward; --zero 2 overlaps"
     return "no overlap: nothing to hide"
 
 

@@ -42,6 +42,17 @@ def test_verify_default_matrix_passes(capsys, monkeypatch):
         assert case["measured_bytes_sent"] == case["expected_bytes_sent"]
 
 
+def test_matrix_overlap_names_each_plan_it_cannot_overlap_and_why():
+    """``verify --overlap`` applies it wherever the plan allows and names the rest with the
+    reason, ZeRO-1 pointing at ZeRO-2 (nothing compiles here)."""
+    args = cli.build_parser().parse_args(["verify", "--overlap"])
+    names = {case.name for case in cli.with_matrix_options(verify.default_matrix(), args)}
+    assert {"DP +overlap", "ZeRO-2×TP +overlap", "Megatron-SP +overlap"} <= names
+    assert "TP (no overlap: nothing to hide)" in names
+    assert "ZeRO-1×TP (no overlap: ZeRO-1's scatter is after backward; --zero 2 overlaps)" in names
+    assert "FSDP remat (no overlap: --pp, --remat)" in names
+
+
 def test_verify_one_plan_prints_a_table(capsys):
     argv = ["verify", "--mesh", "data=2,seq=2", "--devices", "4", "--sp", "ring", "--pool", "gap"]
     assert cli.main([*argv, "--depth", "2", "--dim", "32", "--heads", "4", "--batch", "4"]) == 0
