@@ -394,6 +394,13 @@ class Plan:
         return bool(self.overlap) and self.zero == 0
 
     @property
+    def prefetches_layers(self) -> bool:
+        """``overlap`` with a per-layer param collective to move (FSDP's gathers, ZeRO-2's
+        scatters, DP's layer-by-layer sync): the blocks run through ``data.prefetch_layers``,
+        the last layer after a loop of depth − 1 trips."""
+        return bool(self.overlap) and (self.fsdp or self.zero == 2 or self.syncs_by_layer)
+
+    @property
     def recompute(self) -> bool:
         """Whether the blocks recompute anything in backward (``remat`` is not "none")."""
         return self.remat != "none"

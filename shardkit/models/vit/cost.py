@@ -96,7 +96,7 @@ def unlooped_layers(cfg: vit_ref.ViTConfig, plan: Plan) -> int:
     runs after a loop of depth − 1 trips, which XLA removes when it has one trip; else none."""
     if loopless(cfg, plan):
         return cfg.depth
-    if plan.overlap and (plan.fsdp or plan.zero == 2 or plan.syncs_by_layer):
+    if plan.prefetches_layers:
         return cfg.depth if cfg.depth == 2 else 1
     return 0
 
