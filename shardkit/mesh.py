@@ -339,11 +339,10 @@ class Plan:
             (sp == "megatron" and model == 1,
              "sp='megatron' splits tokens over the model axis, but the mesh has model=1"),
             (bool(self.overlap) and sp != "megatron" and not self.fsdp
-             and (self.zero == 1 or data == seq == 1),
-             "--overlap hides Megatron-SP's collective matmuls, FSDP's gathers and "
-             "scatters, ZeRO-2's and DP's per-layer gradient syncs (ZeRO-1 reduce-scatters "
-             "once after backward: use --zero 2; plain TP's all-reduces are not built); this "
-             "plan has none of them"),
+             and not self.halves and (self.zero == 1 or data == seq == 1),
+             "--overlap hides Megatron-SP's collective matmuls, plain TP's all-reduces, "
+             "FSDP's gathers and scatters, ZeRO-2's and DP's per-layer gradient syncs (ZeRO-1 "
+             "reduce-scatters once after backward: use --zero 2); this plan has none of them"),
             (self.overlap not in (False, True, "bidirectional"),
              f"--overlap takes no value or 'bidirectional', got {self.overlap!r}"),
             (self.overlap == "bidirectional" and sp != "megatron",
@@ -385,6 +384,13 @@ class Plan:
         """The blocks run as a Python loop (``layers`` "unrolled" or "list"): no layer loop in
         the compiled step."""
         return self.layers != "scan"
+
+    @property
+    def halves(self) -> bool:
+        """``overlap`` on plain TP (model > 1, sp "none"): each device's batch runs as two
+        half-batches a region apart, each one's all-reduces beside the other's matmuls
+        (``tensor.pipelined_regions``)."""
+        return bool(self.overlap) and self.mesh["model"] > 1 and self.sp == "none"
 
     @property
     def syncs_by_layer(self) -> bool:

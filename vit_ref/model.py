@@ -100,7 +100,8 @@ def run_layers(
             return y, y
 
         x, ys = jax.lax.scan(body, x, stacked)
-        return x, [ys[i] for i in range(ys.shape[0])]
+        depth = jax.tree.leaves(stacked)[0].shape[0]
+        return x, [jax.tree.map(lambda a, i=i: a[i], ys) for i in range(depth)]
     if layers not in LAYERS:
         raise ValueError(f"Unknown layers {layers!r}; choose one of {', '.join(LAYERS)}.")
     depth = len(stacked) if layers == "list" else jax.tree.leaves(stacked)[0].shape[0]

@@ -27,6 +27,15 @@ half-block hops on two different links at once (a TPU's ICI links are full duple
 takes half the time of a one-way whole-block hop; on a ring of 2 both hops share the one
 neighbour).
 
+Plain TP's all-reduces (Megatron g forward, f backward) as permutes, for a TPU to hide beside
+the other half-batch's matmuls (``tensor.pipelined_regions``):
+  all_reduce_permuted  y{U_X} -> y            a reduce-scatter of permutes
+                                              (``scatter_by_permutes``) then an all-gather
+  reduced_back         x -> x (typed varying)  Megatron f whose backward is that all-reduce
+  reduce_beside        (y{U_X}, u) -> (y, u)   Megatron g whose reduce-scatter is tied to u
+                                              (an optimization barrier), identity backward
+Bytes: 2(n − 1)/n · V (V padded to [n, r, 128]), an all-reduce's.
+
 Every function runs inside a ``shard_map`` body; ``axis`` is one mesh axis name; x, a and w are
 varying over it (split, or partial); M is the leading dim.
 """
@@ -34,6 +43,7 @@ varying over it (split, or partial); M is the leading dim.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +56,7 @@ from shardkit.parallel.collectives import (
     ring_reduce_scatter,
     ring_shift,
 )
+from shardkit.parallel.tiles import LANES
 from shardkit.parallel.vma import Axis, shard_map_primitive, vary, varying_axes
 
 
@@ -227,4 +238,116 @@ def _gather_back_bwd(axis: str, types: tuple[str, ...], _: None, ct: jax.Array) 
 
 _gather_permuted_back.defvjp(_gather_back_fwd, _gather_back_bwd)
 
-__all__ = ["ag_matmul", "gather_permuted_back", "matmul_rs", "scatter_by_permutes"]
+
+def _laid(x: jax.Array, n: int) -> jax.Array:
+    """x flattened and zero-padded to ``[n, r, LANES]``: one block per device, whole tiles."""
+    flat = x.reshape(-1)
+    rows = -(-flat.size // (n * LANES))
+    return jnp.pad(flat, (0, n * rows * LANES - flat.size)).reshape(n, rows, LANES)
+
+
+def _scattered(y: jax.Array, axis: str) -> jax.Array:
+    """This device's block of Σ_X y, ``[r, LANES]`` (the reduce-scatter half, as permutes)."""
+    return scatter_by_permutes(_laid(vary(y, axis), axis_size(axis)), axis)
+
+
+def _gathered(block: jax.Array, like: jax.Array, axis: str) -> jax.Array:
+    """The blocks of every device gathered, typed invariant over ``axis``, in ``like``'s shape."""
+    flat = all_gather(block, axis, to="invarying").reshape(-1)
+    return flat[: like.size].reshape(like.shape)
+
+
+@shard_map_primitive
+def all_reduce_permuted(y: jax.Array, axis: str) -> jax.Array:
+    """``psum(y, axis)`` as permutes and an all-gather: ``y{U_X} -> y`` (typed invariant).
+
+    y is laid out as ``[n, r, LANES]`` (zero-padded), reduce-scattered with
+    ``scatter_by_permutes`` and all-gathered back: the TPU compiler runs an all-reduce
+    synchronously, but a permute or an all-gather beside a matmul that does not need it.
+    Cost: 2(n − 1)/n · the padded bytes. Backward: the identity (psum's), as Megatron g's."""
+    return _reduced(y, axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _reduced(y: jax.Array, axis: str) -> jax.Array:
+    return _gathered(_scattered(y, axis), y, axis)
+
+
+def _reduced_fwd(y: jax.Array, axis: str) -> tuple:
+    return _reduced(y, axis), None
+
+
+def _reduced_bwd(axis: str, _: None, ct: jax.Array) -> tuple:
+    return (vary(ct, axis),)
+
+
+_reduced.defvjp(_reduced_fwd, _reduced_bwd)
+
+
+@shard_map_primitive
+def reduced_back(x: jax.Array, axis: str) -> jax.Array:
+    """Megatron f with its backward as ``all_reduce_permuted``: ``x -> x`` typed varying over
+    ``axis`` (x invariant there), the cotangent ``dx{U_X}`` summed by permutes and an
+    all-gather. Cost: backward 2(n − 1)/n · |dx| padded, nothing forward."""
+    return _reduced_back(x, axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _reduced_back(x: jax.Array, axis: str) -> jax.Array:
+    return vary(x, axis)
+
+
+def _reduced_back_fwd(x: jax.Array, axis: str) -> tuple:
+    return vary(x, axis), None
+
+
+def _reduced_back_bwd(axis: str, _: None, ct: jax.Array) -> tuple:
+    return (_reduced(ct, axis),)
+
+
+_reduced_back.defvjp(_reduced_back_fwd, _reduced_back_bwd)
+
+
+@shard_map_primitive
+def reduce_beside(y: jax.Array, beside: Any, axis: str) -> tuple[jax.Array, Any]:
+    """(``all_reduce_permuted(y)``, ``beside``) with y's reduce-scatter tied to ``beside``: an
+    optimization barrier releases the scattered block and ``beside`` together, so the permutes
+    run while whatever computes ``beside`` (the other half-batch's column matmuls) runs, and
+    the all-gather after it beside the matmuls that follow. ``beside``: a pytree of arrays
+    varying over ``axis``. Backward: the identity for both (the barrier is not transposed)."""
+    return _reduce_beside(y, beside, axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _reduce_beside(y: jax.Array, beside: Any, axis: str) -> tuple[jax.Array, Any]:
+    block = _scattered(y, axis)
+    for leaf in jax.tree.leaves(beside):  # an optimization barrier takes one type
+        if varying_axes(leaf) != varying_axes(block):
+            raise ValueError(
+                f"reduce_beside: the reduced block varies over {sorted(varying_axes(block))}, "
+                f"a value beside it over {sorted(varying_axes(leaf))}; they must match."
+            )
+    block, beside = jax.lax.optimization_barrier((block, beside))
+    return _gathered(block, y, axis), beside
+
+
+def _reduce_beside_fwd(y: jax.Array, beside: Any, axis: str) -> tuple:
+    return _reduce_beside(y, beside, axis), None
+
+
+def _reduce_beside_bwd(axis: str, _: None, cts: tuple) -> tuple:
+    ct_y, ct_beside = cts
+    return vary(ct_y, axis), ct_beside
+
+
+_reduce_beside.defvjp(_reduce_beside_fwd, _reduce_beside_bwd)
+
+__all__ = [
+    "ag_matmul",
+    "all_reduce_permuted",
+    "gather_permuted_back",
+    "matmul_rs",
+    "reduce_beside",
+    "reduced_back",
+    "scatter_by_permutes",
+]

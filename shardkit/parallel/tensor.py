@@ -28,6 +28,15 @@ token rows, local batch × local tokens, must be even). The tokens travel in the
 (the plain entry gathers the float32 LayerNorm output); the bytes are otherwise the plain
 region's.
 
+Plain TP's overlap (``pipelined_regions``, Domino's schedule): each device's batch is cut in
+two halves, A and B, that run every region in turn, A then B. A region is written as its
+``columns`` (LayerNorm, Megatron f with a permuted backward, the column matmuls) and ``rows``
+(the core or the activation, the row matmul, unreduced), so that each half's all-reduce can
+travel beside the other half's column matmuls: A's beside B's in the same region, B's beside
+A's in the next (one region behind, across layers). All-reduces run as a reduce-scatter of
+permutes and an all-gather (``overlap.reduce_beside``, ``overlap.reduced_back``); backward,
+each half's entry all-reduce runs under the other half's backward. The bytes are plain TP's.
+
 Decoder blocks: ``attention_tp`` takes a ``rope`` hook (``lm.rope``: rotary embeddings at the
 tokens' GLOBAL positions) and ``kv_repeat`` (KV heads fewer than the TP degree: K / V weights
 kept whole, each device projects the one KV head its query heads share); ``gated_mlp_tp`` is
@@ -36,8 +45,9 @@ the SwiGLU MLP (gate and up column-parallel, down row-parallel: still one reduct
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -327,13 +337,155 @@ def gated_mlp_tp(
     return dense_row(h, p["down"], "btf,fd->btd", axis, dtype, token_dim=token_dim)
 
 
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """One plain-TP region cut where its reduction goes, for ``pipelined_regions``.
+
+    ``columns(x[B, T, D]) -> u``: the region's entry (e.g. LayerNorm), ``overlap.reduced_back``
+    and its column matmuls, u varying over the axis; ``rows(u) -> y[B, T, D]{U_X}``: the rest
+    up to the row matmul, unreduced; ``bias``: the row bias b[D], added after the sum (None:
+    none). The region's output is ``x + (Σ_X y + b)``.
+    """
+
+    columns: Callable[[Array], Any]
+    rows: Callable[[Any], Array]
+    bias: Array | None = None
+
+
+class Halves(NamedTuple):
+    """The residual stream of ``pipelined_regions``: each half-batch's ``[B/2, T, D]``
+    (invariant over the TP axis), and B's last row output ``{U_X}`` not yet reduced with its
+    region's row bias (None before the first region)."""
+
+    a: Array
+    b: Array
+    pending: Array | None = None
+    bias: Array | None = None
+
+
+def split_halves(x: Float[Array, "b t d"]) -> Halves:
+    """``x[B, T, D]`` as two half-batches (B even: ValueError, one sentence, otherwise)."""
+    if x.shape[0] % 2:
+        raise ValueError(
+            f"Plain TP's overlap cuts each device's batch in two halves; a local batch of "
+            f"{x.shape[0]} does not split (give an even batch per data shard)."
+        )
+    a, b = jnp.split(x, 2, axis=0)
+    return Halves(a, b)
+
+
+def join_halves(h: Halves, axis: str | None) -> Array:
+    """``x[B, T, D]`` from ``Halves``: B's pending row output reduced (nothing is left to
+    hide it under) and added with its bias, and the halves concatenated."""
+    b = h.b
+    if h.pending is not None:
+        y = h.pending if axis is None else ov.all_reduce_permuted(h.pending, axis)
+        b = b + add_bias(y, h.bias).astype(b.dtype)
+    return jnp.concatenate([h.a, b], axis=0)
+
+
+@shard_map_primitive
+def pipelined_regions(h: Halves, regions: Sequence[Region], axis: str | None) -> Halves:
+    """Plain TP regions in Domino's two-half schedule (module docstring): per region, A's
+    columns (beside B's pending reduction), A's rows, B's columns (beside A's reduction), B's
+    rows (left pending for the next region, or ``join_halves``).
+
+    ``h``: ``Halves`` of ``x[B/2, T, D]`` invariant over ``axis`` (``split_halves``), B's
+    pending output carried from the last call (a layer's regions per call, layer after
+    layer; ``join_halves`` ends the stack); ``regions`` in order (a pre-LN block: attention,
+    then MLP). Cost: each region's all-reduce once per half, forward (Megatron g) and backward
+    (f): plain TP's bytes, as permutes and all-gathers over ``axis``. ``axis=None``: no
+    reduction, the same schedule.
+    """
+    a, b, pending, pending_bias = h
+    for region in regions:
+        u = region.columns(a)
+        if pending is not None:
+            reduced, u = _reduce_beside(pending, u, axis)
+            b = b + add_bias(reduced, pending_bias).astype(b.dtype)
+        y, u = _reduce_beside(region.rows(u), region.columns(b), axis)
+        a = a + add_bias(y, region.bias).astype(a.dtype)
+        pending, pending_bias = region.rows(u), region.bias
+    return Halves(a, b, pending, pending_bias)
+
+
+def _entered(x: Array, axis: str | None) -> Array:
+    """Megatron f for a pipelined region: backward all-reduce as permutes and an all-gather."""
+    return x if axis is None else ov.reduced_back(x, axis)
+
+
+def attention_region(
+    p: Params,
+    axis: str | None,
+    core: AttentionCore,
+    dtype: jnp.dtype | None = None,
+    *,
+    norm: Callable[[Array], Array] = lambda x: x,
+    rope: Rope | None = None,
+    kv_repeat: bool = False,
+) -> Region:
+    """``attention_tp`` (plain TP) as a ``Region``: columns ``norm(x)`` -> q, k, v (one
+    entry); rows rope, ``core`` and ``o · W_o[H_X, K, D]`` unreduced; bias ``out``'s. Params,
+    ``core``, ``rope`` and ``kv_repeat`` as ``attention_tp``'s."""
+    kv = {name: p[name] for name in ("key", "value")}
+    if kv_repeat:
+        kv = {name: _kv_head_of_device(w, axis) for name, w in kv.items()}
+    projections = [p["query"], kv["key"], kv["value"]]
+
+    def columns(x: Array) -> tuple[Array, ...]:
+        x = _entered(norm(x), axis)
+        return tuple(dense_column(x, w, "btd,dhk->bthk", dtype) for w in projections)
+
+    def rows(qkv: tuple[Array, ...]) -> Array:
+        q, k, v = qkv
+        if rope is not None:
+            q, k = rope(q, k)
+        o = core(q, k, v)
+        return jnp.einsum("bthk,hkd->btd", _cast(o, dtype), _cast(p["out"]["kernel"], dtype))
+
+    return Region(columns, rows, _bias(p["out"], dtype))
+
+
+def mlp_region(
+    p: Params,
+    axis: str | None,
+    activation: Callable[[Array], Array],
+    dtype: jnp.dtype | None = None,
+    *,
+    norm: Callable[[Array], Array] = lambda x: x,
+) -> Region:
+    """``mlp_tp`` (plain TP) as a ``Region``: columns ``norm(x) · W1[D, F_X] + b1``; rows
+    ``activation`` and ``· W2[F_X, D]`` unreduced; bias ``fc2``'s."""
+
+    def columns(x: Array) -> Array:
+        return dense_column(_entered(norm(x), axis), p["fc1"], "btd,df->btf", dtype)
+
+    def rows(h: Array) -> Array:
+        return jnp.einsum(
+            "btf,fd->btd", _cast(activation(h), dtype), _cast(p["fc2"]["kernel"], dtype)
+        )
+
+    return Region(columns, rows, _bias(p["fc2"], dtype))
+
+
+def _reduce_beside(y: Array, beside: Any, axis: str | None) -> tuple[Array, Any]:
+    return (y, beside) if axis is None else ov.reduce_beside(y, beside, axis)
+
+
 __all__ = [
+    "Halves",
+    "Region",
     "add_bias",
+    "attention_region",
     "attention_tp",
     "dense_column",
     "dense_row",
     "enter_tp",
     "exit_tp",
     "gated_mlp_tp",
+    "join_halves",
+    "mlp_region",
     "mlp_tp",
+    "pipelined_regions",
+    "split_halves",
 ]

@@ -82,9 +82,9 @@ from shardkit.models.vit.plan import (
 from shardkit.parallel import data as dp
 from shardkit.parallel import pipeline as pl
 from shardkit.parallel import sequence as sp
-from shardkit.parallel import vma
+from shardkit.parallel import tensor, vma
 from shardkit.parallel.collectives import all_gather
-from shardkit.parallel.tensor import attention_tp, mlp_tp
+from shardkit.parallel.tensor import Halves, attention_tp, mlp_tp
 from shardkit.parallel.tiles import Tiles, tiles_for
 from vit_ref import model as ref
 
@@ -141,6 +141,13 @@ class Layout:
     def megatron(self) -> bool:
         """Megatron-SP: tokens split over model outside the TP regions, gathered inside."""
         return "model" in self.token_axes
+
+    @property
+    def halves(self) -> bool:
+        """Plain TP under ``overlap`` (no tokens split): the blocks run two half-batches a
+        region apart (``tensor.pipelined_regions``), each all-reduce beside the other's
+        matmuls."""
+        return bool(self.overlap) and self.mesh.shape["model"] > 1 and not self.token_axes
 
 
 def make_layout(cfg: vit_ref.ViTConfig, plan: Plan, devices: Any = None) -> Layout:
@@ -240,6 +247,21 @@ def _block_local(
     return x + m.astype(x.dtype)
 
 
+def _block_halves(h: Halves, p: Params, cfg: vit_ref.ViTConfig, lay: Layout) -> Halves:
+    """``_block_local`` on two half-batches in Domino's schedule (``Layout.halves``): the
+    attention and MLP regions of plain TP, each half's all-reduce beside the other's matmuls,
+    B's MLP output reduced in the next block (or ``join_halves``)."""
+    dtype = ref.compute_dtype(cfg)
+    core = _attention_core(cfg, lay, None)
+    attn = tensor.attention_region(
+        p["attn"], "model", core, dtype, norm=lambda x: ref.layer_norm(x, p["ln1"])
+    )
+    mlp = tensor.mlp_region(
+        p["mlp"], "model", ref.gelu, dtype, norm=lambda x: ref.layer_norm(x, p["ln2"])
+    )
+    return tensor.pipelined_regions(h, [attn, mlp], "model")
+
+
 def _encoder_local(
     x: Array,
     blocks: Params,
@@ -270,22 +292,38 @@ def _encoder_local(
     def block(x: Array, p_layer: Params) -> Array:
         return _block_local(x, p_layer, key_valid, cfg, lay)
 
+    if lay.halves:
+        block = functools.partial(_block_halves, cfg=cfg, lay=lay)  # type: ignore[assignment]
     stack: Any = (blocks, frags)  # per layer: (params, ZeRO-2 fragments or None)
     if plan.layers == "list":
         stack = list(zip(blocks, frags or [None] * len(blocks), strict=True))
     fetch = _prefetch(cfg, plan, lay, dims if gather else None, zero_dims, frags is not None)
     if fetch is not None:
-        return dp.prefetch_layers(block, fetch, x, blocks if frags is None else stack, plan.layers)
+        run = lambda x, s: dp.prefetch_layers(block, fetch, x, s, plan.layers)  # noqa: E731
+        one = lambda x, layer: block(x, fetch(layer))  # noqa: E731
+        listed = blocks if frags is None else stack
+    else:
 
-    def body(x: Array, layer: tuple[Params, Params | None]) -> Array:
-        p_layer, f_layer = layer
-        p_layer = dp.fsdp_gather(p_layer, dims, tiles=lay.fsdp_tiles)
-        if f_layer is not None:
-            p_layer = dp.zero_attach(p_layer, f_layer, zero_dims, tiles=lay.fsdp_tiles)
-        return block(x, p_layer)
+        def one(x: Array, layer: tuple[Params, Params | None]) -> Array:
+            p_layer, f_layer = layer
+            p_layer = dp.fsdp_gather(p_layer, dims, tiles=lay.fsdp_tiles)
+            if f_layer is not None:
+                p_layer = dp.zero_attach(p_layer, f_layer, zero_dims, tiles=lay.fsdp_tiles)
+            return block(x, p_layer)
 
-    x, _ = ref.run_layers(ref.remat_block(body, plan.remat), x, stack, plan.layers)
-    return x
+        body = ref.remat_block(one, plan.remat)
+        run = lambda x, s: ref.run_layers(body, x, s, plan.layers)[0]  # noqa: E731
+        listed = stack
+    if not lay.halves:
+        return run(x, listed)
+    h = tensor.split_halves(x)
+    if plan.layers == "scan":
+        # Domino's halves carry B's last output unreduced from layer to layer: layer 0, which
+        # has none to take in, runs before the scan, whose carry then keeps one structure.
+        h = one(h, jax.tree.map(lambda a: a[0], listed))
+        depth = jax.tree.leaves(listed)[0].shape[0]
+        listed = jax.tree.map(lambda a: a[1:], listed) if depth > 1 else None
+    return tensor.join_halves(h if listed is None else run(h, listed), "model")
 
 
 def _prefetch(
