@@ -111,8 +111,9 @@ def _model_checks(cfg: vit_ref.ViTConfig, plan: Plan) -> None:
 
 
 def check_batch(plan: Plan, batch: int) -> None:
-    """PlanError (one sentence) unless the global ``batch`` splits over data and the
-    data-local batch into the microbatches (a pipeline's, or gradient accumulation's)."""
+    """PlanError (one sentence) unless the global ``batch`` splits over data, the data-local
+    batch into the microbatches (a pipeline's, or gradient accumulation's), and each
+    micro-batch in two halves under ``Plan.halves``."""
     data, micro = plan.size("data"), plan.microbatches
     if batch % data:
         raise PlanError(f"batch={batch} is not divisible by data={data}.")
@@ -121,6 +122,11 @@ def check_batch(plan: Plan, batch: int) -> None:
         raise PlanError(
             f"The data-local batch ({batch}//{data}={local}) is not divisible by "
             f"--microbatches {micro}."
+        )
+    if plan.halves and (local // micro) % 2:
+        raise PlanError(
+            f"--overlap with plain TP runs each device's batch as two halves, and its "
+            f"batch of {local // micro} does not halve; give an even batch per data shard."
         )
 
 
