@@ -45,15 +45,10 @@ def assert_one_sentence(err: Exception) -> None:
         (lambda: Plan(kernel="cuda"), "Unknown kernel 'cuda'; choose one of auto, jnp, pallas"),
         (lambda: Plan(grad_sync="fp8"), "Unknown --grad-sync 'fp8'; choose one of float32, bf"),
         (
-            lambda: Plan({"model": 2}, overlap=True),
-            "--overlap hides Megatron-SP's collective matmuls, FSDP's gathers and scatters, "
-            r"ZeRO-2's and DP's per-layer gradient syncs \(ZeRO-1 reduce-scatters once after "
-            r"backward: use --zero 2; plain TP's all-reduces are not built\); this plan has none "
-            r"of them\.",
-        ),
-        (
             lambda: Plan({"data": 2}, zero=1, overlap=True),
-            "--overlap hides Megatron-SP's collective matmuls",
+            "--overlap hides Megatron-SP's collective matmuls, plain TP's all-reduces, FSDP's "
+            r"gathers and scatters, ZeRO-2's and DP's per-layer gradient syncs \(ZeRO-1 "
+            r"reduce-scatters once after backward: use --zero 2\); this plan has none of them\.",
         ),
         (
             lambda: Plan({"model": 2}, sp="megatron", overlap=True, remat="dots"),

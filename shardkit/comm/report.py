@@ -177,6 +177,7 @@ class Report:
             "narrowed": dataclasses.asdict(self.narrowed),
             "kept_apart": self.kept_apart,
             "overlapped_fraction": self.ledger.overlapped_fraction,
+            "overlapped_by_axes": self.ledger.overlapped_by_axes(),
             **self._flops_json(),
             "memory": {
                 "argument": mem.argument if mem else None,
@@ -263,7 +264,8 @@ def _memory_line(ledger: Ledger) -> str:
         return ""
     mib = 2.0**20
     hidden = ledger.overlapped_fraction
+    by = ", ".join(f"{axes} {f:.0%}" for axes, f in ledger.overlapped_by_axes().items())
     return (
         f"memory per device: argument {m.argument / mib:.2f} MiB, output {m.output / mib:.2f} "
         f"MiB, temp {m.temp / mib:.2f} MiB"
-    ) + (f"\noverlapped with a matmul: {hidden:.0%} of the bytes" if hidden else "")
+    ) + (f"\noverlapped with a matmul: {hidden:.0%} of the bytes ({by})" if hidden else "")

@@ -342,6 +342,25 @@ def _reduce_beside_bwd(axis: str, _: None, cts: tuple) -> tuple:
 
 _reduce_beside.defvjp(_reduce_beside_fwd, _reduce_beside_bwd)
 
+@jax.custom_vjp
+def tied_in_backward(x: Any, other: Any) -> tuple[Any, Any]:
+    """(x, other) unchanged; backward, their cotangents come out of one optimization barrier:
+    whatever consumes either starts once both exist (the other half-batch's backward matmuls
+    beside x's cotangent's all-reduce). Forward nothing is tied: a barrier there would order
+    a scheduled program for nothing (both are computed before either is read anyway)."""
+    return x, other
+
+
+def _tied_fwd(x: Any, other: Any) -> tuple:
+    return (x, other), None
+
+
+def _tied_bwd(_: None, cts: tuple) -> tuple:
+    return tuple(jax.lax.optimization_barrier(cts))
+
+
+tied_in_backward.defvjp(_tied_fwd, _tied_bwd)
+
 __all__ = [
     "ag_matmul",
     "all_reduce_permuted",
@@ -350,4 +369,5 @@ __all__ = [
     "reduce_beside",
     "reduced_back",
     "scatter_by_permutes",
+    "tied_in_backward",
 ]

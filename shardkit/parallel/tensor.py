@@ -339,17 +339,18 @@ def gated_mlp_tp(
 
 @dataclasses.dataclass(frozen=True)
 class Region:
-    """One plain-TP region cut where its reduction goes, for ``pipelined_regions``.
+    """One plain-TP region cut where its reductions go, for ``pipelined_regions``.
 
-    ``columns(x[B, T, D]) -> u``: the region's entry (e.g. LayerNorm), ``overlap.reduced_back``
-    and its column matmuls, u varying over the axis; ``rows(u) -> y[B, T, D]{U_X}``: the rest
-    up to the row matmul, unreduced; ``bias``: the row bias b[D], added after the sum (None:
-    none). The region's output is ``x + (Σ_X y + b)``.
+    ``norm(x[B, T, D])``: what runs before the entry (LayerNorm; default none);
+    ``columns(h) -> u``: the column matmuls of the entered h (varying over the axis);
+    ``rows(u) -> y[B, T, D]{U_X}``: the rest up to the row matmul, unreduced; ``bias``: the
+    row bias b[D], added after the sum (None: none). The output is ``x + (Σ_X y + b)``.
     """
 
     columns: Callable[[Array], Any]
     rows: Callable[[Any], Array]
     bias: Array | None = None
+    norm: Callable[[Array], Array] = lambda x: x
 
 
 class Halves(NamedTuple):
@@ -390,6 +391,10 @@ def pipelined_regions(h: Halves, regions: Sequence[Region], axis: str | None) ->
     columns (beside B's pending reduction), A's rows, B's columns (beside A's reduction), B's
     rows (left pending for the next region, or ``join_halves``).
 
+    Backward mirrors it: each half's entry (``overlap.reduced_back``) is tied to the other
+    half's latest row output (``overlap.tied_in_backward``), so that the entry's all-reduce
+    starts with that output's backward matmuls (A's with B's, B's with A's).
+
     ``h``: ``Halves`` of ``x[B/2, T, D]`` invariant over ``axis`` (``split_halves``), B's
     pending output carried from the last call (a layer's regions per call, layer after
     layer; ``join_halves`` ends the stack); ``regions`` in order (a pre-LN block: attention,
@@ -399,19 +404,27 @@ def pipelined_regions(h: Halves, regions: Sequence[Region], axis: str | None) ->
     """
     a, b, pending, pending_bias = h
     for region in regions:
-        u = region.columns(a)
+        h_a, pending = _entered_beside(region.norm(a), pending, axis)
+        u = region.columns(h_a)
         if pending is not None:
             reduced, u = _reduce_beside(pending, u, axis)
             b = b + add_bias(reduced, pending_bias).astype(b.dtype)
-        y, u = _reduce_beside(region.rows(u), region.columns(b), axis)
+        y = region.rows(u)
+        h_b, y = _entered_beside(region.norm(b), y, axis)
+        y, u = _reduce_beside(y, region.columns(h_b), axis)
         a = a + add_bias(y, region.bias).astype(a.dtype)
         pending, pending_bias = region.rows(u), region.bias
     return Halves(a, b, pending, pending_bias)
 
 
-def _entered(x: Array, axis: str | None) -> Array:
-    """Megatron f for a pipelined region: backward all-reduce as permutes and an all-gather."""
-    return x if axis is None else ov.reduced_back(x, axis)
+def _entered_beside(x: Array, other: Array | None, axis: str | None) -> tuple[Array, Any]:
+    """(Megatron f of x with its backward all-reduce as permutes, ``other``), tied in backward
+    (``overlap.tied_in_backward``): x's cotangent is released with ``other``'s, so that its
+    all-reduce travels while ``other``'s backward matmuls run."""
+    if axis is None:
+        return x, other
+    x = ov.reduced_back(x, axis)
+    return (x, other) if other is None else ov.tied_in_backward(x, other)
 
 
 def attention_region(
@@ -424,7 +437,7 @@ def attention_region(
     rope: Rope | None = None,
     kv_repeat: bool = False,
 ) -> Region:
-    """``attention_tp`` (plain TP) as a ``Region``: columns ``norm(x)`` -> q, k, v (one
+    """``attention_tp`` (plain TP) as a ``Region``: ``norm``, then columns q, k, v (one
     entry); rows rope, ``core`` and ``o · W_o[H_X, K, D]`` unreduced; bias ``out``'s. Params,
     ``core``, ``rope`` and ``kv_repeat`` as ``attention_tp``'s."""
     kv = {name: p[name] for name in ("key", "value")}
@@ -433,7 +446,6 @@ def attention_region(
     projections = [p["query"], kv["key"], kv["value"]]
 
     def columns(x: Array) -> tuple[Array, ...]:
-        x = _entered(norm(x), axis)
         return tuple(dense_column(x, w, "btd,dhk->bthk", dtype) for w in projections)
 
     def rows(qkv: tuple[Array, ...]) -> Array:
@@ -443,29 +455,28 @@ def attention_region(
         o = core(q, k, v)
         return jnp.einsum("bthk,hkd->btd", _cast(o, dtype), _cast(p["out"]["kernel"], dtype))
 
-    return Region(columns, rows, _bias(p["out"], dtype))
+    return Region(columns, rows, _bias(p["out"], dtype), norm)
 
 
 def mlp_region(
     p: Params,
-    axis: str | None,
     activation: Callable[[Array], Array],
     dtype: jnp.dtype | None = None,
     *,
     norm: Callable[[Array], Array] = lambda x: x,
 ) -> Region:
-    """``mlp_tp`` (plain TP) as a ``Region``: columns ``norm(x) · W1[D, F_X] + b1``; rows
-    ``activation`` and ``· W2[F_X, D]`` unreduced; bias ``fc2``'s."""
+    """``mlp_tp`` (plain TP) as a ``Region``: ``norm``, then columns ``h · W1[D, F_X] + b1``;
+    rows ``activation`` and ``· W2[F_X, D]`` unreduced; bias ``fc2``'s."""
 
     def columns(x: Array) -> Array:
-        return dense_column(_entered(norm(x), axis), p["fc1"], "btd,df->btf", dtype)
+        return dense_column(x, p["fc1"], "btd,df->btf", dtype)
 
     def rows(h: Array) -> Array:
         return jnp.einsum(
             "btf,fd->btd", _cast(activation(h), dtype), _cast(p["fc2"]["kernel"], dtype)
         )
 
-    return Region(columns, rows, _bias(p["fc2"], dtype))
+    return Region(columns, rows, _bias(p["fc2"], dtype), norm)
 
 
 def _reduce_beside(y: Array, beside: Any, axis: str | None) -> tuple[Array, Any]:

@@ -100,8 +100,15 @@ COMPOSITIONS = {
         CFG,
         Plan({"data": 2, "seq": 2, "model": 2}, sp="ring", microbatches=4),
     ),
+    # plain TP's all-reduces per half-batch, as recursive halving's exchanges and an
+    # all-gather: scanned (layer 0 before the scan), and on model=4 with per-layer params
+    "TP overlap": (CFG, Plan({"model": 2}, overlap=True)),
+    "TP overlap per-layer params": (
+        CFG,
+        Plan({"data": 2, "model": 4}, overlap=True, layers="list"),
+    ),
     # FSDP's layers gathered one layer ahead: the same all-gathers, one before the loop; the
-    # gradients' reduce-scatters as rings of permutes, one layer behind
+    # gradients' reduce-scatters as rings of permutes, one layer behind (TP's on half-batches)
     "FSDP×TP overlap": (CFG, Plan({"data": 4, "model": 2}, fsdp=True, overlap=True)),
     # DP's gradient all-reduce per layer, one layer behind: a ring reduce-scatter (permutes)
     # and an all-gather per bucket and layer, the same bytes as the step-end all-reduce

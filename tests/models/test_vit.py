@@ -167,21 +167,27 @@ def check_equal_to_reference(case: Case, tol: float = TOL) -> None:
     case=(vit(pool="gap", posemb="sincos2d", dim=24), Plan({"data": 3, "model": 2}, fsdp=True), 3)
 )
 @example(case=(vit(heads=3, dim=12, mlp_dim=12, pool="tok"), Plan({"data": 1, "model": 3}), 2))
-# FSDP with each layer gathered one layer ahead (overlap), scanned and unrolled, TP inside.
-@example(case=(vit(), Plan({"data": 4, "model": 2}, fsdp=True, overlap=True), 4))
+# FSDP with each layer gathered one layer ahead (overlap), scanned and unrolled, TP inside
+# (its all-reduces on two half-batches: 2 rows per data shard).
+@example(case=(vit(), Plan({"data": 4, "model": 2}, fsdp=True, overlap=True), 8))
 @example(case=(vit(), Plan({"data": 8}, fsdp=True, overlap=True, layers="unrolled"), 8))
 # DP with each layer's gradients synced under the next layer's backward, TP inside.
-@example(case=(vit(), Plan({"data": 4, "model": 2}, overlap=True), 4))
+@example(case=(vit(), Plan({"data": 4, "model": 2}, overlap=True), 8))
 @example(case=(vit(), Plan({"data": 3}, overlap=True, layers="unrolled"), 3))
 # Gradient accumulation: 2 micro-batches per data shard, synced once (DP×TP; ZeRO-1 unrolled).
 @example(case=(vit(), Plan({"data": 2, "model": 2}, microbatches=2), 4))
 @example(case=(vit(), Plan({"data": 2}, zero=1, microbatches=2, layers="unrolled"), 8))
 # Per-layer params (layers="list"): FSDP gathering one layer ahead; ZeRO-2's per-layer scatters.
-@example(case=(vit(), Plan({"data": 4, "model": 2}, fsdp=True, overlap=True, layers="list"), 4))
+@example(case=(vit(), Plan({"data": 4, "model": 2}, fsdp=True, overlap=True, layers="list"), 8))
 @example(case=(vit(), Plan({"data": 4}, zero=2, layers="list"), 4))
 # ZeRO-2 with each layer's reduce-scatter of permutes one layer behind: scanned, per layer, TP.
-@example(case=(vit(), Plan({"data": 4, "model": 2}, zero=2, overlap=True), 4))
+@example(case=(vit(), Plan({"data": 4, "model": 2}, zero=2, overlap=True), 8))
 @example(case=(vit(), Plan({"data": 8}, zero=2, overlap=True, layers="list"), 8))
+# Plain TP's all-reduces on two half-batches a region apart: scanned (layer 0 peeled off the
+# scan), per-layer params on model=4 (halving in two exchanges), one layer (nothing crosses).
+@example(case=(vit(), Plan({"model": 2}, overlap=True), 2))
+@example(case=(vit(heads=4), Plan({"data": 2, "model": 4}, overlap=True, layers="list"), 4))
+@example(case=(vit(depth=1), Plan({"model": 2}, overlap=True), 4))
 def test_data_model_meshes_match_reference(case: Case) -> None:
     check_equal_to_reference(case)
 

@@ -271,3 +271,54 @@ def test_sync_in_backward_names_a_mismatched_axes_tree():
     body = jax.shard_map(lambda a, b: sync((a, b)), mesh=mesh, in_specs=P(), out_specs=P("data"))
     with pytest.raises(ValueError, match="axes_tree has 1 axis tuples, the tree 2 leaves"):
         jax.eval_shape(body, jnp.ones(2), jnp.ones(2))
+
+
+def tp_region(f, g):
+    """x[B, K] (invariant over model) -> f -> · w1[K, F_model] -> sin -> · w2[F_model, K] -> g:
+    plain TP's region with its entry ``f`` and exit ``g``."""
+    return lambda x, w1, w2: g(jnp.sin(f(x) @ w1) @ w2)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_permuted_all_reduces_equal_megatron_f_and_g(n):
+    """``reduced_back`` and ``all_reduce_permuted`` (its forward, and ``reduce_beside``'s) are
+    Megatron f and g: the output and every gradient of a TP region, padded or not (x of 5
+    rows of K = 8: 40 elements laid out as [n, 1, 128]), with only permutes and all-gathers
+    over model."""
+    mesh = shardkit.make_mesh({"data": 2, "model": n})
+    plain = tp_region(functools.partial(collectives.megatron_f, axis="model"),
+                      functools.partial(collectives.megatron_g, axis="model"))  # fmt: skip
+    beside = lambda y: overlap.reduce_beside(y, jnp.ones_like(y), "model")[0]  # noqa: E731
+    ours = {
+        "all_reduce_permuted": tp_region(
+            functools.partial(overlap.reduced_back, axis="model"),
+            functools.partial(overlap.all_reduce_permuted, axis="model"),
+        ),
+        "reduce_beside": tp_region(functools.partial(overlap.reduced_back, axis="model"), beside),
+    }
+
+    def run(body):
+        specs = (P("data"), P(None, "model"), P("model"))
+        f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("data"))
+        return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(jnp.cos(f(*a))), argnums=(0, 1, 2)))
+
+    rng = np.random.default_rng(n)
+    args = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((10, K), (K, 3 * n), (3 * n, K))]
+    with testing.parity_precision():
+        want = run(plain)(*args)
+        for name, body in ours.items():
+            testing.assert_trees_close(run(body)(*args), want, 1e-5, what=name)
+    kinds = {kind for kind, axes in ledger.measure(run(ours["reduce_beside"]), *args, mesh=mesh)
+             .summary() if axes == ("model",)}  # fmt: skip
+    assert kinds == {"collective-permute", "all-gather"}
+
+
+def test_reduce_beside_names_a_value_of_another_type():
+    """The barrier takes one type: a value beside the reduction varying over other axes is
+    refused in one sentence."""
+    mesh = shardkit.make_mesh({"data": 2, "model": 2})
+    body = lambda y, u: overlap.reduce_beside(y, u, "model")  # noqa: E731
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("data", "model"), P()),
+                      out_specs=(P("data"), P()))  # fmt: skip
+    with pytest.raises(ValueError, match="reduce_beside: the reduced block varies over"):
+        jax.eval_shape(f, jnp.ones((2, 256)), jnp.ones(3))

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from shardkit import cli
+from shardkit.mesh import Plan
 from shardkit.run import verify
 
 
@@ -47,10 +48,11 @@ def test_matrix_overlap_names_each_plan_it_cannot_overlap_and_why():
     reason, ZeRO-1 pointing at ZeRO-2 (nothing compiles here)."""
     args = cli.build_parser().parse_args(["verify", "--overlap"])
     names = {case.name for case in cli.with_matrix_options(verify.default_matrix(), args)}
-    assert {"DP +overlap", "ZeRO-2×TP +overlap", "Megatron-SP +overlap"} <= names
-    assert "TP (no overlap: nothing to hide)" in names
-    assert "ZeRO-1×TP (no overlap: ZeRO-1's scatter is after backward; --zero 2 overlaps)" in names
+    assert {"DP +overlap", "TP +overlap", "ZeRO-2×TP +overlap", "Megatron-SP +overlap"} <= names
+    assert "ZeRO-1×TP +overlap" in names  # its TP half-batches; the ZeRO-1 scatter stays after
     assert "FSDP remat (no overlap: --pp, --remat)" in names
+    zero1 = "no overlap: ZeRO-1's scatter is after backward; --zero 2 overlaps"
+    assert cli._no_overlap(Plan({"data": 2}, zero=1)) == zero1
 
 
 def test_verify_one_plan_prints_a_table(capsys):

@@ -142,13 +142,6 @@ class Layout:
         """Megatron-SP: tokens split over model outside the TP regions, gathered inside."""
         return "model" in self.token_axes
 
-    @property
-    def halves(self) -> bool:
-        """Plain TP under ``overlap`` (no tokens split): the blocks run two half-batches a
-        region apart (``tensor.pipelined_regions``), each all-reduce beside the other's
-        matmuls."""
-        return bool(self.overlap) and self.mesh.shape["model"] > 1 and not self.token_axes
-
 
 def make_layout(cfg: vit_ref.ViTConfig, plan: Plan, devices: Any = None) -> Layout:
     """The mesh and token split for ``plan`` (validated first)."""
@@ -248,7 +241,7 @@ def _block_local(
 
 
 def _block_halves(h: Halves, p: Params, cfg: vit_ref.ViTConfig, lay: Layout) -> Halves:
-    """``_block_local`` on two half-batches in Domino's schedule (``Layout.halves``): the
+    """``_block_local`` on two half-batches in Domino's schedule (``Plan.halves``): the
     attention and MLP regions of plain TP, each half's all-reduce beside the other's matmuls,
     B's MLP output reduced in the next block (or ``join_halves``)."""
     dtype = ref.compute_dtype(cfg)
@@ -256,9 +249,7 @@ def _block_halves(h: Halves, p: Params, cfg: vit_ref.ViTConfig, lay: Layout) -> 
     attn = tensor.attention_region(
         p["attn"], "model", core, dtype, norm=lambda x: ref.layer_norm(x, p["ln1"])
     )
-    mlp = tensor.mlp_region(
-        p["mlp"], "model", ref.gelu, dtype, norm=lambda x: ref.layer_norm(x, p["ln2"])
-    )
+    mlp = tensor.mlp_region(p["mlp"], ref.gelu, dtype, norm=lambda x: ref.layer_norm(x, p["ln2"]))
     return tensor.pipelined_regions(h, [attn, mlp], "model")
 
 
@@ -277,7 +268,8 @@ def _encoder_local(
     ``overlap`` syncs each layer's gradients in the next one's backward step
     (``layer_sync_axes``). ZeRO-2: the gradients go to ``frags`` (the blocks' slices), each
     layer's reduce-scattered in its own backward step, or with ``overlap`` as permutes in the
-    previous layer's (``dp.zero_attach(permuted=True)`` one layer ahead)."""
+    previous layer's (``dp.zero_attach(permuted=True)`` one layer ahead). Plain TP with
+    ``overlap``: the blocks run on two half-batches (``_block_halves``, ``_run_halves``)."""
     if gather:
         dims = _layer_dims(param_specs(cfg, plan)["blocks"], plan)
     else:
@@ -292,7 +284,7 @@ def _encoder_local(
     def block(x: Array, p_layer: Params) -> Array:
         return _block_local(x, p_layer, key_valid, cfg, lay)
 
-    if lay.halves:
+    if plan.halves:
         block = functools.partial(_block_halves, cfg=cfg, lay=lay)  # type: ignore[assignment]
     stack: Any = (blocks, frags)  # per layer: (params, ZeRO-2 fragments or None)
     if plan.layers == "list":
@@ -314,16 +306,22 @@ def _encoder_local(
         body = ref.remat_block(one, plan.remat)
         run = lambda x, s: ref.run_layers(body, x, s, plan.layers)[0]  # noqa: E731
         listed = stack
-    if not lay.halves:
-        return run(x, listed)
+    if plan.halves:
+        return _run_halves(x, one, run, listed, plan.layers)
+    return run(x, listed)
+
+
+def _run_halves(x: Array, one: Callable, run: Callable, stack: Any, layers: str) -> Array:
+    """``run`` (the layer loop) over ``stack`` on Domino's halves (``Plan.halves``): the
+    batch split, the loop, B's last output reduced and the halves joined. The halves carry
+    B's output unreduced from layer to layer; scanned, layer 0, which has none to take in,
+    runs (``one``) before the scan, whose carry then keeps one structure."""
     h = tensor.split_halves(x)
-    if plan.layers == "scan":
-        # Domino's halves carry B's last output unreduced from layer to layer: layer 0, which
-        # has none to take in, runs before the scan, whose carry then keeps one structure.
-        h = one(h, jax.tree.map(lambda a: a[0], listed))
-        depth = jax.tree.leaves(listed)[0].shape[0]
-        listed = jax.tree.map(lambda a: a[1:], listed) if depth > 1 else None
-    return tensor.join_halves(h if listed is None else run(h, listed), "model")
+    if layers == "scan":
+        h = one(h, jax.tree.map(lambda a: a[0], stack))
+        depth = jax.tree.leaves(stack)[0].shape[0]
+        stack = jax.tree.map(lambda a: a[1:], stack) if depth > 1 else None
+    return tensor.join_halves(h if stack is None else run(h, stack), "model")
 
 
 def _prefetch(
