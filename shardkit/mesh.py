@@ -244,8 +244,11 @@ class Plan:
         reduce-scatter likewise one layer behind (``data.zero_attach(permuted=True)``); and
         without FSDP or ZeRO, each layer's gradient all-reduce (over data and the token axes)
         in the next layer's backward step, as a reduce-scatter of permutes and an all-gather
-        (``parallel.data.sync_in_backward``; the same bytes). Needs sp="megatron", FSDP,
-        ZeRO-2, or a data or seq axis to sync over; not yet with remat or a pipeline.
+        (``parallel.data.sync_in_backward``; the same bytes); plain TP (a model axis, sp
+        "none": ``halves``) on two half-batches a region apart, each one's all-reduces as
+        permutes and an all-gather beside the other's matmuls (``tensor.pipelined_regions``;
+        the same bytes; an even batch per data shard). Needs sp="megatron", a model axis,
+        FSDP, ZeRO-2, or a data or seq axis to sync over; not yet with remat or a pipeline.
         ``"bidirectional"``: the same, with Megatron-SP's rings running both ways, half a
         token block each way.
     """

@@ -342,6 +342,7 @@ def _reduce_beside_bwd(axis: str, _: None, cts: tuple) -> tuple:
 
 _reduce_beside.defvjp(_reduce_beside_fwd, _reduce_beside_bwd)
 
+
 @jax.custom_vjp
 def tied_in_backward(x: Any, other: Any) -> tuple[Any, Any]:
     """(x, other) unchanged; backward, their cotangents come out of one optimization barrier:

@@ -355,7 +355,7 @@ def _halves_terms(g: Geometry, n: int, layers: int, half: int) -> list[Term]:
     runs, terms = 2 * layers * 2, []
     for word, phase, what in ((g.act, "forward", "Megatron g"), (WORD, "backward", "Megatron f")):
         terms += pc.permuted_scatter_terms(
-            g, ["model"], runs, share * word,
+            g, ("model",), runs, share * word,
             f"{what} per half-batch, beside the other half's matmuls", phase,
         )  # fmt: skip
         terms += term(g, "all-gather", ["model"], runs, all_gather_bytes(n * share * word, n),
