@@ -284,17 +284,6 @@ class Ledger:
         hidden = sum(c.total_bytes_sent for c in self.collectives if c.overlapped)
         return hidden / total if total else 0.0
 
-    def overlapped_by_axes(self) -> dict[str, float]:
-        """``overlapped_fraction`` of the collectives over each set of mesh axes ("model",
-        "data×model", ...): which strategy's bytes are hidden (TP's over model, DP's and
-        FSDP's over data)."""
-        sent: dict[str, list[float]] = {}
-        for c in self.collectives:
-            both = sent.setdefault("×".join(c.axes) or "none", [0.0, 0.0])
-            both[0] += c.total_bytes_sent
-            both[1] += c.total_bytes_sent if c.overlapped else 0.0
-        return {axes: hidden / total for axes, (total, hidden) in sent.items() if total}
-
     def summary(self) -> dict[tuple[str, tuple[str, ...]], Tally]:
         """(kind, axes) -> executions per call and bytes sent per device (bytes x count)."""
         out: dict[tuple[str, tuple[str, ...]], Tally] = {}

@@ -177,7 +177,7 @@ class Report:
             "narrowed": dataclasses.asdict(self.narrowed),
             "kept_apart": self.kept_apart,
             "overlapped_fraction": self.ledger.overlapped_fraction,
-            "overlapped_by_axes": self.ledger.overlapped_by_axes(),
+            "overlapped_by_axes": overlapped_by_axes(self.ledger),
             **self._flops_json(),
             "memory": {
                 "argument": mem.argument if mem else None,
@@ -258,13 +258,24 @@ def _row_order(key: Key) -> tuple[int, tuple[str, ...]]:
     return KINDS.index(key[0]), key[1]
 
 
+def overlapped_by_axes(ledger: Ledger) -> dict[str, float]:
+    """``Ledger.overlapped_fraction`` of the collectives over each set of mesh axes ("model",
+    "data×model", ...): whose bytes are hidden (TP's over model, DP's and FSDP's over data)."""
+    sent: dict[str, list[float]] = {}
+    for c in ledger.collectives:
+        both = sent.setdefault("×".join(c.axes) or "none", [0.0, 0.0])
+        both[0] += c.total_bytes_sent
+        both[1] += c.total_bytes_sent if c.overlapped else 0.0
+    return {axes: hidden / total for axes, (total, hidden) in sent.items() if total}
+
+
 def _memory_line(ledger: Ledger) -> str:
     m = ledger.memory
     if m is None:
         return ""
     mib = 2.0**20
     hidden = ledger.overlapped_fraction
-    by = ", ".join(f"{axes} {f:.0%}" for axes, f in ledger.overlapped_by_axes().items())
+    by = ", ".join(f"{axes} {f:.0%}" for axes, f in overlapped_by_axes(ledger).items())
     return (
         f"memory per device: argument {m.argument / mib:.2f} MiB, output {m.output / mib:.2f} "
         f"MiB, temp {m.temp / mib:.2f} MiB"

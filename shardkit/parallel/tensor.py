@@ -385,6 +385,28 @@ def join_halves(h: Halves, axis: str | None) -> Array:
     return jnp.concatenate([h.a, b], axis=0)
 
 
+def run_halves(
+    x: Array,
+    one: Callable[[Any, Any], Any],
+    run: Callable[[Any, Any], Any],
+    stack: Any,
+    *,
+    scanned: bool,
+    axis: str = "model",
+) -> Array:
+    """A layer loop ``run(h, stack)`` on Domino's halves: ``x[B, T, D]`` split, the loop, B's
+    last output reduced and the halves joined. The halves carry B's output unreduced from
+    layer to layer: ``scanned`` (stacked leaves, a ``lax.scan`` in ``run``), layer 0, which
+    has none to take in, runs alone (``one(h, layer)``) before the scan, whose carry then keeps
+    one structure; otherwise ``run`` is a Python loop and takes every layer."""
+    h = split_halves(x)
+    if scanned:
+        h = one(h, jax.tree.map(lambda a: a[0], stack))
+        depth = jax.tree.leaves(stack)[0].shape[0]
+        stack = jax.tree.map(lambda a: a[1:], stack) if depth > 1 else None
+    return join_halves(h if stack is None else run(h, stack), axis)
+
+
 @shard_map_primitive
 def pipelined_regions(h: Halves, regions: Sequence[Region], axis: str | None) -> Halves:
     """Plain TP regions in Domino's two-half schedule (module docstring): per region, A's
@@ -498,5 +520,6 @@ __all__ = [
     "mlp_region",
     "mlp_tp",
     "pipelined_regions",
+    "run_halves",
     "split_halves",
 ]

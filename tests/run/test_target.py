@@ -338,7 +338,8 @@ def test_plain_tp_overlap_hides_its_all_reduces_beside_the_other_half_batch(caps
     data=4 × model=2): each region's all-reduce runs once per half-batch as an exchange and an
     all-gather, which the compiler schedules beside the other half's matmuls: 79% of the
     model axis's bytes hidden here (ViT-B/16: docs/strategies/overlap.md), against none for
-    plain TP's all-reduces, in the same bytes (contracts exact)."""
+    plain TP's all-reduces; both hold their contracts exactly (the same TP bytes; DP's per-layer
+    buckets pad to whole tiles)."""
     argv = ["--variant", "Ti/16", "--depth", "3", "--dtype", "bfloat16", "--mesh",
             "data=4,model=2", "--heads", "8", "--batch", "64"]  # fmt: skip
     plain, overlapped = (inspect_json(capsys, *argv, *extra) for extra in ([], ["--overlap"]))
@@ -346,4 +347,3 @@ def test_plain_tp_overlap_hides_its_all_reduces_beside_the_other_half_batch(caps
         assert report["contract_ok"] and report["ratio"] == 1.0, report["mismatches"]
     assert plain["overlapped_by_axes"].get("model", 0.0) == 0.0
     assert overlapped["overlapped_by_axes"]["model"] > 0.7
-    assert overlapped["measured_bytes_sent"] == plain["measured_bytes_sent"]

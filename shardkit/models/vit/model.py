@@ -59,9 +59,9 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
 import vit_ref
-from shardkit import kernels
 from shardkit.mesh import Plan, format_mesh, make_mesh
 from shardkit.models import sharded, staged
+from shardkit.models.vit.blocks import block_halves, block_local
 from shardkit.models.vit.plan import (
     EMBED_LEAVES,
     HEAD_LEAVES,
@@ -84,13 +84,11 @@ from shardkit.parallel import pipeline as pl
 from shardkit.parallel import sequence as sp
 from shardkit.parallel import tensor, vma
 from shardkit.parallel.collectives import all_gather
-from shardkit.parallel.tensor import Halves, attention_tp, mlp_tp
 from shardkit.parallel.tiles import Tiles, tiles_for
 from vit_ref import model as ref
 
 Params = dict[str, Any]
 _is_axes = lambda a: isinstance(a, tuple)  # noqa: E731
-AttentionCore = Callable[[Array, Array, Array], Array]
 
 # ----------------------------------------------------------------------------- layout
 
@@ -199,60 +197,6 @@ def _embed_local(p: Params, images: Array, cfg: vit_ref.ViTConfig, lay: Layout) 
     return jax.lax.dynamic_slice_in_dim(x, start, lay.local_tokens, axis=1)
 
 
-def _attention_core(cfg: vit_ref.ViTConfig, lay: Layout, key_valid: Array | None) -> AttentionCore:
-    """The attention run on local heads: q, k, v[B, T_S, H_X, K] -> o[B, T_S, H_X, K].
-
-    ``key_valid`` is the local attention's mask (Megatron-SP: over all tokens, built locally).
-    The sequence-parallel cores mask padding by position (``num_valid``): nothing is sent.
-    """
-    local = lay.attention == "local"
-    if local and kernels.resolve_kernel(lay.kernel, lay.padded_tokens) == "pallas":
-        return lambda q, k, v: sp.attention_local(q, k, v, key_valid, kernel="pallas")[0]
-    if local:  # the reference's core: the same numerics, the same speed
-        mask = None if key_valid is None else key_valid[None]
-        return lambda q, k, v: ref.attention_core(q, k, v, mask, ref.softmax_dtype(cfg))
-    num_valid = lay.num_tokens if lay.padded else None
-    cores: dict[str, Callable[..., tuple[Array, Array]]] = {
-        "ring": functools.partial(sp.attention_ring, axis="seq"),
-        "ulysses": functools.partial(sp.attention_ulysses, axis="seq"),
-        "usp": functools.partial(
-            sp.attention_usp, ulysses_axis=sp.SEQ_ULYSSES, ring_axis=sp.SEQ_RING
-        ),
-    }
-    core = functools.partial(cores[lay.attention], num_valid=num_valid, kernel=lay.kernel)
-    return lambda q, k, v: core(q, k, v, None)[0]
-
-
-def _block_local(
-    x: Array, p: Params, key_valid: Array | None, cfg: vit_ref.ViTConfig, lay: Layout
-) -> Array:
-    """One pre-LN block on local tokens with heads / MLP hidden split over ``model``."""
-    dtype = ref.compute_dtype(cfg)
-    model = "model" if lay.mesh.shape["model"] > 1 else None
-    token_dim = 1 if lay.megatron else None
-    core = _attention_core(cfg, lay, key_valid)
-    rings = lay.overlap if lay.megatron else False
-    h = ref.layer_norm(x, p["ln1"])
-    a = attention_tp(h, p["attn"], model, core, dtype, token_dim=token_dim, overlap=rings)
-    x = x + a.astype(x.dtype)
-    h = ref.layer_norm(x, p["ln2"])
-    m = mlp_tp(h, p["mlp"], model, ref.gelu, dtype, token_dim=token_dim, overlap=rings)
-    return x + m.astype(x.dtype)
-
-
-def _block_halves(h: Halves, p: Params, cfg: vit_ref.ViTConfig, lay: Layout) -> Halves:
-    """``_block_local`` on two half-batches in Domino's schedule (``Plan.halves``): the
-    attention and MLP regions of plain TP, each half's all-reduce beside the other's matmuls,
-    B's MLP output reduced in the next block (or ``join_halves``)."""
-    dtype = ref.compute_dtype(cfg)
-    core = _attention_core(cfg, lay, None)
-    attn = tensor.attention_region(
-        p["attn"], "model", core, dtype, norm=lambda x: ref.layer_norm(x, p["ln1"])
-    )
-    mlp = tensor.mlp_region(p["mlp"], ref.gelu, dtype, norm=lambda x: ref.layer_norm(x, p["ln2"]))
-    return tensor.pipelined_regions(h, [attn, mlp], "model")
-
-
 def _encoder_local(
     x: Array,
     blocks: Params,
@@ -269,7 +213,8 @@ def _encoder_local(
     (``layer_sync_axes``). ZeRO-2: the gradients go to ``frags`` (the blocks' slices), each
     layer's reduce-scattered in its own backward step, or with ``overlap`` as permutes in the
     previous layer's (``dp.zero_attach(permuted=True)`` one layer ahead). Plain TP with
-    ``overlap``: the blocks run on two half-batches (``_block_halves``, ``_run_halves``)."""
+    ``overlap``: the blocks run on two half-batches (``block_halves``,
+    ``tensor.run_halves``)."""
     if gather:
         dims = _layer_dims(param_specs(cfg, plan)["blocks"], plan)
     else:
@@ -282,10 +227,10 @@ def _encoder_local(
 
     @vma.checked_block
     def block(x: Array, p_layer: Params) -> Array:
-        return _block_local(x, p_layer, key_valid, cfg, lay)
+        return block_local(x, p_layer, key_valid, cfg, lay)
 
     if plan.halves:
-        block = functools.partial(_block_halves, cfg=cfg, lay=lay)  # type: ignore[assignment]
+        block = functools.partial(block_halves, cfg=cfg, lay=lay)  # type: ignore[assignment]
     stack: Any = (blocks, frags)  # per layer: (params, ZeRO-2 fragments or None)
     if plan.layers == "list":
         stack = list(zip(blocks, frags or [None] * len(blocks), strict=True))
@@ -307,21 +252,8 @@ def _encoder_local(
         run = lambda x, s: ref.run_layers(body, x, s, plan.layers)[0]  # noqa: E731
         listed = stack
     if plan.halves:
-        return _run_halves(x, one, run, listed, plan.layers)
+        return tensor.run_halves(x, one, run, listed, scanned=plan.layers == "scan")
     return run(x, listed)
-
-
-def _run_halves(x: Array, one: Callable, run: Callable, stack: Any, layers: str) -> Array:
-    """``run`` (the layer loop) over ``stack`` on Domino's halves (``Plan.halves``): the
-    batch split, the loop, B's last output reduced and the halves joined. The halves carry
-    B's output unreduced from layer to layer; scanned, layer 0, which has none to take in,
-    runs (``one``) before the scan, whose carry then keeps one structure."""
-    h = tensor.split_halves(x)
-    if layers == "scan":
-        h = one(h, jax.tree.map(lambda a: a[0], stack))
-        depth = jax.tree.leaves(stack)[0].shape[0]
-        stack = jax.tree.map(lambda a: a[1:], stack) if depth > 1 else None
-    return tensor.join_halves(h if stack is None else run(h, stack), "model")
 
 
 def _prefetch(

@@ -68,10 +68,9 @@ def sharded_cases(
 
     ``zero`` (the ZeRO level, 3 = FSDP; any level needs data > 1) / ``remat``: None draws
     them; the layer loop (scan or unrolled) is always drawn, and ``overlap`` wherever the
-    plan allows it (Megatron-SP, rings one way or both; plain TP's half-batches, with an
-    even local batch; FSDP, ZeRO-2, DP's sync; no remat),
-    and 1 or 2 micro-batches of gradient accumulation wherever the plan allows them (ZeRO 0
-    or 1, no layer-by-layer sync). For ``usp`` the Ulysses degree
+    plan allows it (Megatron-SP, rings one way or both; TP's half-batches; FSDP, ZeRO-2,
+    DP's sync; no remat), and 1 or 2 micro-batches of gradient accumulation wherever the
+    plan allows them (ZeRO 0 or 1, no layer-by-layer sync). For ``usp`` the Ulysses degree
     u is drawn among the divisors of the seq size (heads per model shard then divide by u)
     and given explicitly or left to the automatic choice, so true hybrids (1 < u < seq)
     occur, not only the pure ends.
@@ -103,19 +102,16 @@ def sharded_cases(
     heads_multiple = mesh["model"] * ulysses
     cfg = draw(vit_configs(heads_multiple, mesh["model"], mesh["data"] if zero else 1))
     layers = draw(st.sampled_from(LAYER_LOOPS))
-    # --overlap: Megatron-SP's collective matmuls, plain TP's half-batches, FSDP's gathers one
-    # layer ahead, ZeRO-2's scatters and DP's sync (over data and the token axes) one layer
-    # behind; no remat.
+    # --overlap (no remat): Megatron-SP's rings, plain TP's half-batches, FSDP's gathers one
+    # layer ahead, ZeRO-2's scatters and DP's sync (over data and the token axes) one behind.
     syncs = zero == 0 and (mesh["data"] > 1 or mesh["seq"] > 1)
     halves = sp == "none" and mesh["model"] > 1
     can_overlap = (sp == "megatron" or halves or zero in (2, 3) or syncs) and use_remat == "none"
     forms: list[bool | str] = [False, True, "bidirectional"] if sp == "megatron" else [False, True]
     overlap: bool | str = draw(st.sampled_from(forms)) if can_overlap else False
     # Gradient accumulation wherever no param collective would run once per micro-batch.
-    can_accumulate = zero <= 1 and not (overlap and syncs)
-    micro = draw(st.sampled_from((1, 2))) if can_accumulate else 1
-    # Rings both ways halve each device's token rows, plain TP's overlap each device's batch:
-    # an even local batch makes them even.
+    micro = draw(st.sampled_from((1, 2))) if zero <= 1 and not (overlap and syncs) else 1
+    # Rings both ways halve the token rows, the half-batches the batch: an even local batch.
     even = 2 if overlap == "bidirectional" or (overlap and halves) else 1
     batch = mesh["data"] * micro * even * draw(st.integers(1, 2))
     plan = Plan(mesh, sp=sp, ulysses=explicit_ulysses, zero=zero, remat=use_remat, layers=layers,
