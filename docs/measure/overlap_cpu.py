@@ -36,6 +36,7 @@ PLANS = {
     "FSDP×TP, data=4,model=2": Plan({"data": 4, "model": 2}, fsdp=True),
     "DP, data=8": Plan({"data": 8}),
     "DP×TP, data=4,model=2": Plan({"data": 4, "model": 2}),
+    "TP, model=8": Plan({"model": 8}),
     "ZeRO-2, data=8": Plan({"data": 8}, zero=2),
 }
 ROUNDS, WARMUP = 12, 3
