@@ -274,9 +274,12 @@ def _memory_line(ledger: Ledger) -> str:
     if m is None:
         return ""
     mib = 2.0**20
-    hidden = ledger.overlapped_fraction
-    by = ", ".join(f"{axes} {f:.0%}" for axes, f in overlapped_by_axes(ledger).items())
-    return (
+    line = (
         f"memory per device: argument {m.argument / mib:.2f} MiB, output {m.output / mib:.2f} "
         f"MiB, temp {m.temp / mib:.2f} MiB"
-    ) + (f"\noverlapped with a matmul: {hidden:.0%} of the bytes ({by})" if hidden else "")
+    )
+    hidden = ledger.overlapped_fraction
+    if not hidden:
+        return line
+    by = ", ".join(f"{axes} {f:.0%}" for axes, f in overlapped_by_axes(ledger).items())
+    return f"{line}\noverlapped with a matmul: {hidden:.0%} of the bytes ({by})"

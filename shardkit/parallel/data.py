@@ -41,9 +41,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
-from shardkit.parallel.collectives import all_gather, axis_size, reduce_scatter
-from shardkit.parallel.overlap import gather_permuted_back, scatter_by_permutes
-from shardkit.parallel.tiles import LANES, Tiles, wire
+from shardkit.parallel.collectives import all_gather, reduce_scatter
+from shardkit.parallel.overlap import all_reduce_permuted, gather_permuted_back, scatter_by_permutes
+from shardkit.parallel.tiles import Tiles, wire
 from shardkit.parallel.vma import shard_map_primitive, varying_axes
 from shardkit.parallel.vma import vary as vary_leaf
 
@@ -254,12 +254,8 @@ def _synced_bwd(axes: tuple[Axes, ...], dtype: str, _: None, cts: list[Array]) -
             groups[(a, varying_axes(ct))].append(i)
     for (a, _varying), members in groups.items():
         flat = jnp.concatenate([cts[i].reshape(-1).astype(dtype) for i in members])
-        n = axis_size(a)
-        rows = -(-flat.size // (n * LANES))
-        laid = jnp.pad(flat, (0, n * rows * LANES - flat.size)).reshape(n, rows, LANES)
         # DP: this layer's gradient sum, a reduce-scatter of permutes then an all-gather.
-        mine = scatter_by_permutes(laid, a)
-        summed = all_gather(mine, a, to="invarying").reshape(-1)
+        summed = all_reduce_permuted(flat, a)
         offset = 0
         for i in members:
             piece = summed[offset : offset + cts[i].size]

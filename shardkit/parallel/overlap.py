@@ -246,19 +246,19 @@ def _laid(x: jax.Array, n: int) -> jax.Array:
     return jnp.pad(flat, (0, n * rows * LANES - flat.size)).reshape(n, rows, LANES)
 
 
-def _scattered(y: jax.Array, axis: str) -> jax.Array:
+def _scattered(y: jax.Array, axis: Axis) -> jax.Array:
     """This device's block of Σ_X y, ``[r, LANES]`` (the reduce-scatter half, as permutes)."""
     return scatter_by_permutes(_laid(vary(y, axis), axis_size(axis)), axis)
 
 
-def _gathered(block: jax.Array, like: jax.Array, axis: str) -> jax.Array:
+def _gathered(block: jax.Array, like: jax.Array, axis: Axis) -> jax.Array:
     """The blocks of every device gathered, typed invariant over ``axis``, in ``like``'s shape."""
     flat = all_gather(block, axis, to="invarying").reshape(-1)
     return flat[: like.size].reshape(like.shape)
 
 
 @shard_map_primitive
-def all_reduce_permuted(y: jax.Array, axis: str) -> jax.Array:
+def all_reduce_permuted(y: jax.Array, axis: Axis) -> jax.Array:
     """``psum(y, axis)`` as permutes and an all-gather: ``y{U_X} -> y`` (typed invariant).
 
     y is laid out as ``[n, r, LANES]`` (zero-padded), reduce-scattered with
@@ -269,15 +269,15 @@ def all_reduce_permuted(y: jax.Array, axis: str) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _reduced(y: jax.Array, axis: str) -> jax.Array:
+def _reduced(y: jax.Array, axis: Axis) -> jax.Array:
     return _gathered(_scattered(y, axis), y, axis)
 
 
-def _reduced_fwd(y: jax.Array, axis: str) -> tuple:
+def _reduced_fwd(y: jax.Array, axis: Axis) -> tuple:
     return _reduced(y, axis), None
 
 
-def _reduced_bwd(axis: str, _: None, ct: jax.Array) -> tuple:
+def _reduced_bwd(axis: Axis, _: None, ct: jax.Array) -> tuple:
     return (vary(ct, axis),)
 
 

@@ -82,7 +82,7 @@ from shardkit.models.vit import cost_params as pc
 from shardkit.models.vit.geometry import STEP_END, WORD, Geometry, geometry, term
 from shardkit.models.vit.plan import TokenSplit, schedule
 from shardkit.parallel import pipeline
-from shardkit.parallel.tiles import LANES, Tiles
+from shardkit.parallel.tiles import Tiles
 
 
 def loopless(cfg: vit_ref.ViTConfig, plan: Plan) -> bool:
@@ -331,7 +331,7 @@ def _tp_terms(g: Geometry) -> list[Term]:
         return []
     layers, a = g.cfg.depth, g.b * g.t * g.cfg.dim
     if g.plan.halves:
-        return _halves_terms(g, n, layers, a // 2)
+        return _halves_terms(g, layers, a // 2)
     ar = functools.partial(term, g, "all-reduce", ["model"])
     terms = [
         *ar(2 * layers, all_reduce_bytes(a * g.act, n), "Megatron g: sum {U_model}", "forward"),
@@ -343,23 +343,19 @@ def _tp_terms(g: Geometry) -> list[Term]:
     return terms
 
 
-def _halves_terms(g: Geometry, n: int, layers: int, half: int) -> list[Term]:
+def _halves_terms(g: Geometry, layers: int, half: int) -> list[Term]:
     """Plain TP with ``overlap`` (Domino's two half-batches, ``tensor.pipelined_regions``):
     each region's all-reduce runs once per half, forward (Megatron g, in the compute dtype)
-    and backward (f, the float32 cotangent), each as a reduce-scatter of permutes of the
-    half's activation laid out as [n, r, 128] (``pc.permuted_scatter_terms``) and an
-    all-gather of the sums: 2(n−1)/n · the padded half each, plain TP's bytes when nothing
-    pads (half = A/2 elements).
+    and backward (f, the float32 cotangent), each an ``overlap.all_reduce_permuted`` of the
+    half's activation (``pc.permuted_all_reduce_terms``): 2(n−1)/n · the padded half each,
+    plain TP's bytes when nothing pads (half = A/2 elements).
       forward  2·l regions × 2 halves × (RS_perm + AG);   backward the same"""
-    share = -(-half // (n * LANES)) * LANES  # r·128 elements: one device's block
     runs, terms = 2 * layers * 2, []
     for word, phase, what in ((g.act, "forward", "Megatron g"), (WORD, "backward", "Megatron f")):
-        terms += pc.permuted_scatter_terms(
-            g, ("model",), runs, share * word,
-            f"{what} per half-batch, beside the other half's matmuls", phase,
+        terms += pc.permuted_all_reduce_terms(
+            g, ("model",), runs, half, word, f"{what} per half-batch",
+            "beside the other half's matmuls", phase,
         )  # fmt: skip
-        terms += term(g, "all-gather", ["model"], runs, all_gather_bytes(n * share * word, n),
-                      f"{what} per half-batch: the sums gathered", phase)  # fmt: skip
     return terms
 
 

@@ -138,16 +138,31 @@ def layer_sync_terms(g: Geometry) -> list[Term]:
         if leaf.in_blocks and axes:
             key = (axes, frozenset(axes) | frozenset(leaf.split))
             buckets[key] = buckets.get(key, 0) + leaf.local // g.cfg.depth
-    terms, layers = [], g.cfg.depth
+    terms: list[Term] = []
     for (axes, varying), size in buckets.items():
-        n = g.n(axes)
-        chunk = -(-size // (n * LANES)) * LANES  # r·128 elements: one device's share
         what = f"one layer's gradient bucket of {size:,} elements over {','.join(sorted(varying))}"
-        hops = f"{what}: reduce-scattered under the next layer's backward"
-        terms += permuted_scatter_terms(g, axes, layers, chunk * word, hops, "backward")
-        terms += term(g, "all-gather", axes, layers, all_gather_bytes(n * chunk * word, n),
-                      f"{what}: the summed shares gathered", "backward")  # fmt: skip
+        terms += permuted_all_reduce_terms(
+            g, axes, g.cfg.depth, size, word, what, "reduce-scattered under the next layer's "
+            "backward", "backward",
+        )  # fmt: skip
     return terms
+
+
+def permuted_all_reduce_terms(
+    g: Geometry, axes: Axes, runs: int, size: int, word: int, what: str, hops: str, phase: str
+) -> list[Term]:
+    """``runs`` all-reduces of ``overlap.all_reduce_permuted`` over ``axes`` (n devices) of
+    ``size`` elements of ``word`` bytes: laid out as [n, r, 128] (padded to n·r·128), a
+    reduce-scatter of permutes (``permuted_scatter_terms``; ``hops`` says where they run),
+    each device keeping r·128 elements, then an all-gather of them: 2(n−1)/n · the padded
+    size, an all-reduce's bytes."""
+    n = g.n(axes)
+    chunk = -(-size // (n * LANES)) * LANES  # r·128 elements: one device's share
+    return [
+        *permuted_scatter_terms(g, axes, runs, chunk * word, f"{what}: {hops}", phase),
+        *term(g, "all-gather", axes, runs, all_gather_bytes(n * chunk * word, n),
+              f"{what}: the summed shares gathered", phase),
+    ]  # fmt: skip
 
 
 def permuted_scatter_terms(
